@@ -1,0 +1,173 @@
+"""One pydantic config tree, end to end: YAML preset -> AppConfig -> Serve args -> EngineConfig.
+
+Nothing here runs anything; the configs are frozen so that a component can hold one without
+worrying that another changes it underneath.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_MODEL = "tokenflow-tiny"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    """Which weights and tokenizer to load, and in which dtype."""
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=2)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class CacheConfig(_Frozen):
+    """Paged KV cache geometry: block size and either a block count or a memory budget."""
+
+    block_size: int = Field(default=16, ge=1)
+    num_blocks: int | None = Field(default=None, ge=1)
+    kv_cache_memory_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Frozen):
+    """The token budget and the limits of one scheduling step."""
+
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=128, ge=1)
+    # None: take the model's max_position_embeddings (resolved by the engine).
+    max_model_len: int | None = Field(default=None, ge=2)
+    enable_chunked_prefill: bool = True
+    # 0 disables the cap; otherwise no request prefills more than this many tokens in one step.
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    policy: str = "fcfs"
+    # "module:Class" of another scheduler with the same interface.
+    scheduler_cls: str | None = None
+    async_scheduling: bool = False
+    num_speculative_tokens: int = Field(default=0, ge=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {value!r}; valid: {', '.join(SCHEDULING_POLICIES)}"
+            )
+        return value
+
+
+class ParallelConfig(_Frozen):
+    """How a replica's layers are split over pipeline stages."""
+
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    executor: Literal["auto", "inproc", "ray"] = "auto"
+
+
+class KVTransferConfig(_Frozen):
+    """Disaggregated prefill/decode: which connector, and this replica's role."""
+
+    kv_connector: str | None = None
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    transport: Literal["ray", "torch"] = "ray"
+    load_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class EngineConfig(_Frozen):
+    """Everything one engine replica needs to build its scheduler, cache and workers."""
+
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+
+
+class AutoscalingConfig(_Frozen):
+    """Ray Serve autoscaling knobs (a subset of serve.config.AutoscalingConfig)."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=2, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=0)
+    target_ongoing_requests: float = Field(default=8.0, gt=0)
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
+class DeploymentConfig(_Frozen):
+    """How the LLMServer deployment is replicated and placed."""
+
+    num_replicas: int | None = Field(default=1, ge=1)
+    autoscaling_config: AutoscalingConfig | None = None
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+
+    @model_validator(mode="after")
+    def _one_of(self) -> DeploymentConfig:
+        if self.autoscaling_config is not None and self.num_replicas not in (None, 1):
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        return self
+
+
+class AppConfig(_Frozen):
+    """One application: the engine, how it is deployed, and the HTTP front door."""
+
+    engine: EngineConfig = EngineConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    api_key: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    route_prefix: str = "/"
+
+
+class ConfigError(ValueError):
+    """A config file that does not validate; the message names each bad field by its path."""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "<root>"
+        lines.append(f"  {path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_app_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
+    """Validate a YAML file path or a dict into an AppConfig; errors name the field path."""
+    if source is None:
+        return AppConfig()
+    if isinstance(source, dict):
+        data, name = source, "<dict>"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data, name = yaml.safe_load(path.read_text()) or {}, str(path)
+        if not isinstance(data, dict):
+            raise ConfigError(f"invalid config {name}: top level must be a mapping")
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, name)) from None

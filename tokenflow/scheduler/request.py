@@ -1,0 +1,121 @@
+"""A request's life inside one engine: its tokens, its progress, its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenflow.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Status of a request. Everything after PREEMPTED is finished (see `is_finished`)."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """The OpenAI finish reason of a finished status (None while unfinished)."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "stop",
+}
+
+WAITING_FOR_SOMETHING = (
+    RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+    RequestStatus.WAITING_FOR_STREAMING_REQ,
+)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated: owns its token ids, progress counters and status.
+
+    Invariants: `num_computed_tokens <= num_tokens_with_spec`; `all_token_ids` is always
+    `prompt_token_ids + output_token_ids`; `block_hashes` (filled by the KV cache manager)
+    covers only full blocks of `all_token_ids`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    eos_token_id: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    client_index: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_output_placeholders: int = 0
+    num_preemptions: int = 0
+    # Prefix-cache hit of the first admission, reported to the client; -1 until admitted.
+    num_cached_tokens: int = -1
+    stop_reason: int | str | None = None
+    error: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def trim_output(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` outputs (tokens sampled after a stop)."""
+        drop = len(self.output_token_ids) - num_tokens
+        if drop > 0:
+            del self.output_token_ids[num_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop:]
