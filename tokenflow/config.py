@@ -59,7 +59,6 @@ class SchedulerConfig(_Frozen):
     policy: str = "fcfs"
     # "module:Class" of another scheduler with the same interface.
     scheduler_cls: str | None = None
-    async_scheduling: bool = False
     num_speculative_tokens: int = Field(default=0, ge=0)
 
     @field_validator("policy")
