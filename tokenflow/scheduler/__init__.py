@@ -1,0 +1,24 @@
+"""Requests, queues and the token-budget scheduler. Knows nothing of torch, Ray or HTTP."""
+
+from tokenflow.scheduler.factory import build_scheduler, import_scheduler_cls
+from tokenflow.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from tokenflow.scheduler.queue import FCFSQueue, PriorityQueue, RequestQueue, create_request_queue
+from tokenflow.scheduler.request import Request, RequestStatus
+from tokenflow.scheduler.sampling_params import SamplingParams
+from tokenflow.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue", "ModelRunnerOutput",
+    "NewRequestData", "PriorityQueue", "Request", "RequestQueue", "RequestStatus",
+    "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerStats", "TokenLogprobs",
+    "build_scheduler", "create_request_queue", "import_scheduler_cls",
+]

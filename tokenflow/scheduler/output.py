@@ -26,9 +26,11 @@ class NewRequestData:
 class CachedRequestData:
     """Deltas for requests the workers already hold, as parallel lists (one entry a request).
 
-    `new_token_ids[i]` are the known output tokens in the scheduled range, starting at position
-    `max(num_computed_tokens[i], num_prompt_tokens)`; `new_block_ids[i]` are blocks appended to
-    the request's table, or its whole table when `resumed_from_preemption[i]`.
+    `new_token_ids[i]` are all known output tokens from position
+    `max(num_computed_tokens[i], num_prompt_tokens)` to the end (one token for a decode step),
+    so a worker always knows whether this step's chunk reaches the last token and must sample;
+    `new_block_ids[i]` are blocks appended to the request's table, or its whole table when
+    `resumed_from_preemption[i]`.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -92,7 +94,7 @@ class SchedulerStats:
     num_accepted_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """A delta for one request: the tokens it gained this step and, at the end, why it ended."""
 

@@ -52,7 +52,7 @@ WAITING_FOR_SOMETHING = (
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated: owns its token ids, progress counters and status.
 
@@ -82,16 +82,14 @@ class Request:
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,0 +1,162 @@
+"""Scheduler overhead: time `schedule()` + `update_from_output()` per step on a seeded trace.
+
+The model is a fake runner (one token per scheduled request whose prefill is complete), so
+what is measured is the scheduler and the KV cache manager alone. Prints one JSON line and
+writes it to bench/results/. `--write-trace` dumps the synthetic trace as JSONL (one request
+a line: id, arrival_s, prompt_token_ids, output_len) so another scheduler can replay it with
+`--trace`.
+
+    python bench/scheduler_overhead.py --requests 512 --max-num-seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler
+
+RESULTS = Path(__file__).parent / "results"
+# vLLM 0.33's V1 scheduler on this kind of machine, same trace shape (see bench/README.md).
+VLLM_REFERENCE_US = {256: 2100.0, 512: 5400.0}
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def synthetic_trace(args: argparse.Namespace) -> list[dict]:
+    rng = random.Random(args.seed)
+    trace = []
+    for i in range(args.requests):
+        prompt_len = rng.randint(*args.prompt_len)
+        trace.append({
+            "id": f"req-{i}",
+            "arrival_s": 0.0,
+            "prompt_token_ids": [rng.randrange(32000) for _ in range(prompt_len)],
+            "output_len": rng.randint(*args.output_len),
+        })
+    return trace
+
+
+def load_trace(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def fake_execute(scheduler: Scheduler, out) -> ModelRunnerOutput:
+    """One token for every scheduled request whose prefill is now complete."""
+    requests = scheduler.requests
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        r = requests[req_id]
+        sampled.append([7] if r.num_computed_tokens >= r.num_tokens else [])
+    return ModelRunnerOutput(req_ids, sampled)
+
+
+def run(args: argparse.Namespace, trace: list[dict]) -> dict:
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len)
+    cache_cfg = CacheConfig(block_size=args.block_size,
+                            enable_prefix_caching=args.prefix_caching)
+    scheduler = Scheduler(sched_cfg, cache_cfg, args.num_blocks)
+    pending = sorted(trace, key=lambda t: t["arrival_s"])
+    step_us: list[float] = []
+    full_us: list[float] = []
+    clock = 0.0
+    totals = {"preemptions": 0, "scheduled_tokens": 0, "prefix_hit_tokens": 0}
+    progress = tqdm(total=len(trace), desc="requests", unit="req", disable=args.quiet)
+    next_index = 0
+    while next_index < len(pending) or scheduler.has_unfinished_requests():
+        while next_index < len(pending) and pending[next_index]["arrival_s"] <= clock:
+            t = pending[next_index]
+            params = SamplingParams(max_tokens=t["output_len"], ignore_eos=True, temperature=0)
+            scheduler.add_request(Request(t["id"], t["prompt_token_ids"], params,
+                                          arrival_time=t["arrival_s"]))
+            next_index += 1
+        num_running = len(scheduler.running)
+        t0 = time.perf_counter_ns()
+        out = scheduler.schedule()
+        t1 = time.perf_counter_ns()
+        runner_out = fake_execute(scheduler, out)
+        t2 = time.perf_counter_ns()
+        outputs = scheduler.update_from_output(out, runner_out)
+        t3 = time.perf_counter_ns()
+        us = ((t1 - t0) + (t3 - t2)) / 1000
+        step_us.append(us)
+        if num_running >= args.max_num_seqs:
+            full_us.append(us)
+        stats = outputs[0].scheduler_stats
+        totals["preemptions"] += stats.num_preemptions
+        totals["prefix_hit_tokens"] += stats.prefix_cache_hits
+        totals["scheduled_tokens"] += out.total_num_scheduled_tokens
+        progress.update(sum(o.finished for eo in outputs.values() for o in eo.outputs))
+        clock += args.step_ms / 1000
+    progress.close()
+    step_us.sort()
+    full = sorted(full_us) or step_us
+    result = {
+        "steps": len(step_us),
+        "median_us": round(statistics.median(step_us), 1),
+        "p99_us": round(step_us[int(0.99 * (len(step_us) - 1))], 1),
+        "median_us_at_max_num_seqs": round(statistics.median(full), 1),
+        "num_steps_at_max_num_seqs": len(full_us),
+        "total_s": round(sum(step_us) / 1e6, 3),
+        **totals,
+        "config": {k: v for k, v in vars(args).items() if k not in ("trace", "write_trace")},
+    }
+    ref = VLLM_REFERENCE_US.get(args.max_num_seqs)
+    if ref is not None:
+        result["vllm_reference_median_us"] = ref
+        result["speedup_vs_vllm_reference"] = round(ref / result["median_us_at_max_num_seqs"], 2)
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--prompt-len", type=span, default=(128, 1024), metavar="MIN:MAX")
+    p.add_argument("--output-len", type=span, default=(64, 256), metavar="MIN:MAX")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=65536)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-ms", type=float, default=10.0,
+                   help="virtual time a step takes, for replaying arrival times")
+    p.add_argument("--trace", help="replay a JSONL trace instead of the synthetic one")
+    p.add_argument("--write-trace", help="write the synthetic trace as JSONL and go on")
+    p.add_argument("--label", default=None, help="results file name suffix")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    trace = load_trace(args.trace) if args.trace else synthetic_trace(args)
+    if args.write_trace:
+        with open(args.write_trace, "w") as f:
+            for t in trace:
+                f.write(json.dumps(t) + "\n")
+    result = run(args, trace)
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    label = args.label or f"seqs{args.max_num_seqs}-blocks{args.num_blocks}"
+    (RESULTS / f"scheduler_overhead-{label}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""Scenario tests of the token-budget scheduler, through factories and the fake runner."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+
+from tests.scheduler.utils import (
+    FakeRunner,
+    create_requests,
+    create_scheduler,
+    fake_token,
+    run_until_done,
+)
+from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.scheduler import (
+    ModelRunnerOutput,
+    RequestStatus,
+    Scheduler,
+    build_scheduler,
+    create_request_queue,
+)
+
+
+def step(scheduler, runner):
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, runner.execute_model(out))
+    return out, outputs
+
+
+def assert_no_leaks(scheduler):
+    scheduler.kv.check_integrity()
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+
+
+# ------------------------------------------------------------------------------ budget
+def test_budget_split_among_long_prompts_with_threshold():
+    scheduler = create_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
+    for r in create_requests(3, 1000):
+        scheduler.add_request(r)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"req0": 400, "req1": 400, "req2": 224}
+    assert out.total_num_scheduled_tokens == 1024
+    scheduler.update_from_output(out, FakeRunner().execute_model(out))
+    out = scheduler.schedule()
+    # Running requests continue in order, each capped again by the threshold.
+    assert out.num_scheduled_tokens == {"req0": 400, "req1": 400, "req2": 224}
+
+
+def test_zero_token_request_is_skipped_not_a_stop():
+    scheduler = create_scheduler(max_num_batched_tokens=100, max_model_len=40,
+                                 num_blocks=100)
+    a, b = create_requests(2, 20, max_tokens=100)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    runner = FakeRunner()
+    step(scheduler, runner)
+    # Force `a` to have nothing to compute this step: pretend all its tokens are computed.
+    a.num_computed_tokens = a.num_tokens
+    out = scheduler.schedule()
+    assert "req0" not in out.num_scheduled_tokens
+    assert out.num_scheduled_tokens == {"req1": 1}
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_prefill_on_and_off(chunked):
+    scheduler = create_scheduler(max_num_batched_tokens=1000, enable_chunked_prefill=chunked)
+    for r in create_requests(3, [600, 600, 100]):
+        scheduler.add_request(r)
+    out = scheduler.schedule()
+    if chunked:
+        assert out.num_scheduled_tokens == {"req0": 600, "req1": 400}
+    else:
+        # req1 does not fit the budget left: admission stops, req2 may not jump the queue.
+        assert out.num_scheduled_tokens == {"req0": 600}
+    scheduler.update_from_output(out, FakeRunner().execute_model(out))
+    out = scheduler.schedule()
+    if chunked:
+        assert out.num_scheduled_tokens == {"req0": 1, "req1": 200, "req2": 100}
+    else:
+        assert out.num_scheduled_tokens == {"req0": 1, "req1": 600, "req2": 100}
+
+
+def test_max_num_seqs_limits_running():
+    scheduler = create_scheduler(max_num_seqs=2)
+    for r in create_requests(4, 8):
+        scheduler.add_request(r)
+    out = scheduler.schedule()
+    assert set(out.num_scheduled_tokens) == {"req0", "req1"}
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+
+
+# ------------------------------------------------------------------------ stop checks
+def test_eos_stops_and_is_kept():
+    (r,) = create_requests(1, 5, max_tokens=50)
+    r.eos_token_id = fake_token("req0", 5 + 3)  # the 4th output token
+    scheduler = create_scheduler()
+    scheduler.add_request(r)
+    res = run_until_done(scheduler)["req0"]
+    assert res["finish_reason"] == "stop"
+    assert len(res["tokens"]) == 4 and res["tokens"][-1] == r.eos_token_id
+    assert_no_leaks(scheduler)
+
+
+def test_ignore_eos_and_max_tokens():
+    (r,) = create_requests(1, 5, max_tokens=7, ignore_eos=True)
+    r.eos_token_id = fake_token("req0", 5)
+    scheduler = create_scheduler()
+    scheduler.add_request(r)
+    res = run_until_done(scheduler)["req0"]
+    assert res["finish_reason"] == "length" and len(res["tokens"]) == 7
+
+
+def test_stop_token_ids_sets_stop_reason():
+    stop = fake_token("req0", 5 + 2)
+    (r,) = create_requests(1, 5, max_tokens=50, stop_token_ids=[stop])
+    scheduler = create_scheduler()
+    scheduler.add_request(r)
+    res = run_until_done(scheduler)["req0"]
+    assert res["finish_reason"] == "stop" and res["stop_reason"] == stop
+    assert len(res["tokens"]) == 3
+
+
+def test_min_tokens_blocks_every_stop_before_it():
+    eos = fake_token("req0", 5)  # first output token would be EOS
+    (r,) = create_requests(1, 5, max_tokens=10, min_tokens=10, eos_token_id=eos,
+                           stop_token_ids=[eos])
+    scheduler = create_scheduler()
+    scheduler.add_request(r)
+    res = run_until_done(scheduler)["req0"]
+    assert res["finish_reason"] == "length" and len(res["tokens"]) == 10
+
+
+def test_max_model_len_caps_length():
+    (r,) = create_requests(1, 30, max_tokens=100)
+    scheduler = create_scheduler(max_model_len=40)
+    scheduler.add_request(r)
+    res = run_until_done(scheduler)["req0"]
+    assert res["finish_reason"] == "length" and len(res["tokens"]) == 10
+
+
+def test_tokens_after_a_stop_are_trimmed():
+    # Speculative decoding can produce several tokens in a step; a stop in the middle trims.
+    scheduler = create_scheduler()
+    stop = fake_token("req0", 5 + 2)
+    (r,) = create_requests(1, 5, max_tokens=50, stop_token_ids=[stop])
+    scheduler.add_request(r)
+    runner = FakeRunner()
+    step(scheduler, runner)  # prefill, samples position 5
+    scheduler.update_draft_token_ids({"req0": [fake_token("req0", 6 + i) for i in range(4)]})
+    out, outputs = step(scheduler, runner)
+    assert out.scheduled_spec_decode_tokens["req0"]
+    (o,) = outputs[0].outputs
+    assert o.finish_reason == "stop"
+    assert o.new_token_ids == [fake_token("req0", 6), stop]
+    assert r.output_token_ids == [fake_token("req0", 5), fake_token("req0", 6), stop]
+    assert_no_leaks(scheduler)
+
+
+# ------------------------------------------------------------------------- preemption
+def _fill_cache(policy, priorities):
+    # 3 requests of 2 blocks each fill a 6-block cache; the next decode token needs a block.
+    scheduler = create_scheduler(num_blocks=6, block_size=4, policy=policy, max_model_len=24)
+    requests = create_requests(3, 8, max_tokens=10, priorities=priorities)
+    for r in requests:
+        scheduler.add_request(r)
+    runner = FakeRunner()
+    step(scheduler, runner)
+    return scheduler, runner, requests
+
+
+def test_fcfs_preempts_last_running():
+    scheduler, runner, requests = _fill_cache("fcfs", None)
+    out, _ = step(scheduler, runner)
+    assert out.preempted_req_ids == {"req2"}
+    assert requests[2].status == RequestStatus.PREEMPTED
+    assert requests[2].num_computed_tokens == 0 and requests[2].num_preemptions == 1
+    assert scheduler.waiting.peek() is requests[2]
+    scheduler.kv.check_integrity()
+
+
+def test_priority_preempts_lowest_priority():
+    # Larger value = lower priority. req0 is the victim although it runs first.
+    scheduler, runner, requests = _fill_cache("priority", [5, 0, 1])
+    out, _ = step(scheduler, runner)
+    assert out.preempted_req_ids == {"req0"}
+    assert "req0" not in out.num_scheduled_tokens
+    assert set(out.num_scheduled_tokens) == {"req1", "req2"}
+    scheduler.kv.check_integrity()
+
+
+def test_no_admission_in_a_step_that_preempted():
+    scheduler, runner, requests = _fill_cache("fcfs", None)
+    (late,) = create_requests(1, 2, id_prefix="late")
+    scheduler.add_request(late)
+    out, _ = step(scheduler, runner)
+    assert out.preempted_req_ids and not out.scheduled_new_reqs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_resume_after_preemption_gives_identical_tokens(policy):
+    lengths = [30, 17, 45, 8, 60, 23, 12, 39]
+    priorities = [3, 1, 2, 0, 1, 3, 2, 0]
+    alone = {}
+    for r in create_requests(8, lengths, max_tokens=40, priorities=priorities):
+        s = create_scheduler(policy=policy)
+        s.add_request(r)
+        alone.update(run_until_done(s))
+    scheduler = create_scheduler(num_blocks=24, block_size=8, policy=policy,
+                                 max_num_batched_tokens=64)
+    requests = create_requests(8, lengths, max_tokens=40, priorities=priorities)
+    for r in requests:
+        scheduler.add_request(r)
+    together = run_until_done(
+        scheduler, on_step=lambda s, out: s.kv.check_integrity())
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert together == alone
+    assert_no_leaks(scheduler)
+
+
+# ------------------------------------------------------------------------------ abort
+def test_abort_in_each_state():
+    scheduler, runner, requests = _fill_cache("fcfs", None)
+    (waiting,) = create_requests(1, 4, id_prefix="w")
+    scheduler.add_request(waiting)
+    step(scheduler, runner)  # preempts req2
+    assert requests[2].status == RequestStatus.PREEMPTED
+    assert requests[0].status == RequestStatus.RUNNING
+    scheduler.finish_requests(["req0", "req2", "w0"], RequestStatus.FINISHED_ABORTED)
+    for r in (requests[0], requests[2], waiting):
+        assert r.status == RequestStatus.FINISHED_ABORTED
+    out = scheduler.schedule()
+    assert {"req0", "req2", "w0"} <= out.finished_req_ids
+    assert set(out.num_scheduled_tokens) == {"req1"}
+    scheduler.finish_requests(["req1", "unknown"], RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(out, runner.execute_model(out))
+    assert_no_leaks(scheduler)
+
+
+# -------------------------------------------------------------------------- ignored
+def test_prompt_too_long_is_ignored_and_nothing_else_disturbed():
+    scheduler = create_scheduler(max_model_len=64)
+    ok, too_long = create_requests(2, [10, 64], max_tokens=5)
+    scheduler.add_request(ok)
+    scheduler.add_request(too_long)
+    assert too_long.status == RequestStatus.FINISHED_IGNORED
+    results = run_until_done(scheduler)
+    assert results["req1"]["finish_reason"] == "length" and results["req1"]["tokens"] == []
+    assert len(results["req0"]["tokens"]) == 5
+    assert_no_leaks(scheduler)
+
+
+def test_prompt_that_never_fits_the_cache_is_ignored():
+    scheduler = create_scheduler(num_blocks=4, block_size=4, max_model_len=1000)
+    (r,) = create_requests(1, 20)
+    scheduler.add_request(r)
+    assert r.status == RequestStatus.FINISHED_IGNORED and "max_model_len" in r.error
+
+
+# ------------------------------------------------------------------------ prefix cache
+def test_shared_prefix_hits_whole_blocks():
+    prefix = list(range(100, 140))  # 40 tokens = 2 full blocks of 16 + 8
+    scheduler = create_scheduler()
+    a, = create_requests(1, 5, prefix=prefix, id_prefix="a", max_tokens=2)
+    scheduler.add_request(a)
+    run_until_done(scheduler)
+    b, = create_requests(1, 7, prefix=prefix, id_prefix="b", seed=1, max_tokens=2)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32
+    assert out.num_scheduled_tokens["b0"] == b.num_tokens - 32
+    assert b.num_cached_tokens == 32
+
+
+def test_never_the_whole_prompt():
+    scheduler = create_scheduler()
+    a, = create_requests(1, 32, id_prefix="a", max_tokens=1)
+    scheduler.add_request(a)
+    run_until_done(scheduler)
+    b, = create_requests(1, 32, id_prefix="b", max_tokens=1)  # same seed: same prompt
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert b.prompt_token_ids == a.prompt_token_ids
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
+    assert out.num_scheduled_tokens["b0"] == 16
+
+
+def test_multi_turn_follow_up_hits_previous_turn():
+    scheduler = create_scheduler(block_size=4)
+    first, = create_requests(1, 10, max_tokens=8, id_prefix="t1-")
+    scheduler.add_request(first)
+    results = run_until_done(scheduler)
+    history = first.prompt_token_ids + results["t1-0"]["tokens"]
+    second, = create_requests(1, 6, prefix=history, id_prefix="t2-", seed=7)
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    # 18 tokens of history; the last output token has no KV yet: 17 computed -> 4 blocks.
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
+
+
+def test_identical_prompts_admitted_in_same_step():
+    scheduler = create_scheduler()
+    a, b = create_requests(2, 40, max_tokens=4)
+    b.prompt_token_ids = list(a.prompt_token_ids)
+    b.all_token_ids = list(a.prompt_token_ids)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    assert len(out.scheduled_new_reqs) == 2
+    hit = out.scheduled_new_reqs[1].num_computed_tokens
+    assert hit in (0, 32)  # either way each owns consistent blocks
+    scheduler.update_from_output(out, FakeRunner().execute_model(out))
+    scheduler.kv.check_integrity()
+    ids_a = scheduler.kv.get_block_ids("req0")
+    ids_b = scheduler.kv.get_block_ids("req1")
+    assert ids_a[-1] != ids_b[-1]  # the partial last block is never shared
+
+
+def test_eviction_prefers_oldest_freed_and_tail_blocks():
+    scheduler = create_scheduler(num_blocks=8, block_size=4, max_model_len=32)
+    prefix = list(range(500, 508))  # 2 blocks
+    a, = create_requests(1, 4, prefix=prefix, id_prefix="a", max_tokens=1)
+    scheduler.add_request(a)
+    run_until_done(scheduler)  # a held 4 blocks (13 tokens), all freed with hashes kept
+    # A newcomer needing 4 fresh blocks evicts free blocks in LRU order: a's tail goes
+    # first (freed in reverse), so its shared prefix survives.
+    other, = create_requests(1, 13, id_prefix="o", seed=3, max_tokens=1)
+    scheduler.add_request(other)
+    run_until_done(scheduler)
+    c, = create_requests(1, 4, prefix=prefix, id_prefix="c", seed=5, max_tokens=1)
+    scheduler.add_request(c)
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8
+
+
+# ---------------------------------------------------------------------- spec decoding
+def test_spec_tokens_scheduled_only_when_decoding_and_rolled_back():
+    scheduler = create_scheduler(max_num_batched_tokens=8)
+    (r,) = create_requests(1, 20, max_tokens=50)
+    scheduler.add_request(r)
+    runner = FakeRunner()
+    scheduler.update_draft_token_ids({"req0": [1, 2, 3]})  # still waiting: ignored
+    assert r.spec_token_ids == []
+    out, _ = step(scheduler, runner)  # prefill chunk of 8
+    scheduler.update_draft_token_ids({"req0": [1, 2, 3]})  # mid-prefill: ignored
+    assert r.spec_token_ids == []
+    for _ in range(2):
+        step(scheduler, runner)
+    assert r.num_output_tokens == 1
+    good = [fake_token("req0", 21), fake_token("req0", 22)]
+    scheduler.update_draft_token_ids({"req0": [*good, 7777]})  # third draft wrong
+    out, outputs = step(scheduler, runner)
+    assert out.num_scheduled_tokens["req0"] == 4
+    assert out.scheduled_spec_decode_tokens["req0"] == [*good, 7777]
+    assert outputs[0].outputs[0].new_token_ids == [*good, fake_token("req0", 23)]
+    assert r.num_computed_tokens == r.num_tokens - 1  # the rejected draft was rolled back
+    stats = outputs[0].scheduler_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 2)
+
+
+# ---------------------------------------------------------------------- configuration
+def test_scheduler_cls_is_imported_with_one_warning():
+    cfg = SchedulerConfig(max_model_len=128,
+                          scheduler_cls="tests.scheduler.utils:CustomScheduler")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler = build_scheduler(cfg, CacheConfig(), 100)
+    assert type(scheduler).__name__ == "CustomScheduler"
+    assert isinstance(scheduler, Scheduler)
+    assert len([w for w in caught if "not stable" in str(w.message)]) == 1
+    with pytest.raises(ValueError, match="module:Class"):
+        build_scheduler(SchedulerConfig(max_model_len=128, scheduler_cls="nocolon"),
+                        CacheConfig(), 100)
+
+
+def test_unknown_policy_names_valid_ones():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        create_request_queue("lifo")
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        SchedulerConfig(policy="lifo")
+
+
+def test_priority_queue_order():
+    queue = create_request_queue("priority")
+    for r in create_requests(4, 3, priorities=[2, 0, 2, 1]):
+        queue.add(r)
+    assert [r.request_id for r in queue] == ["req1", "req3", "req0", "req2"]
+
+
+# ------------------------------------------------------------------------------ stats
+def test_stats_and_no_leaks_after_full_run():
+    scheduler = create_scheduler(num_blocks=30, block_size=4, max_num_batched_tokens=32)
+    for r in create_requests(10, [5, 9, 13, 2, 30, 7, 11, 3, 8, 20], max_tokens=12):
+        scheduler.add_request(r)
+    seen = []
+    run_until_done(scheduler, on_step=lambda s, out: seen.append(s.make_stats()))
+    assert_no_leaks(scheduler)
+    assert all(0.0 <= st.kv_cache_usage <= 1.0 for st in seen)
+    for block in scheduler.kv.pool.blocks if hasattr(scheduler.kv, "pool") else []:
+        assert block.ref_cnt == 0
+
+
+def test_stats_counts():
+    scheduler, runner, _ = _fill_cache("fcfs", None)
+    out, outputs = step(scheduler, runner)
+    stats = outputs[0].scheduler_stats
+    assert stats.num_preemptions == 1
+    assert stats.num_running_reqs == 2 and stats.num_waiting_reqs == 1
+    assert stats.kv_cache_usage == pytest.approx(1.0)
+
+
+def test_decode_step_output_pickles_small():
+    scheduler = create_scheduler(max_num_seqs=64)
+    for r in create_requests(64, 100, max_tokens=100):
+        scheduler.add_request(r)
+    runner = FakeRunner()
+    step(scheduler, runner)
+    out = scheduler.schedule()
+    assert out.total_num_scheduled_tokens == 64 and not out.scheduled_new_reqs
+    size = len(pickle.dumps(out))
+    assert size < 64 * 40, size  # ids, counts and one token each: tens of bytes a request
+
+
+def test_partial_prefill_gets_no_output():
+    scheduler = create_scheduler(max_num_batched_tokens=16)
+    (r,) = create_requests(1, 40)
+    scheduler.add_request(r)
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput(["req0"], [[]]))
+    assert outputs[0].outputs == []
+    assert r.num_computed_tokens == 16

@@ -1,0 +1,35 @@
+"""Build the scheduler an engine asks for, including a user-supplied class."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.scheduler.scheduler import Scheduler
+
+
+def import_scheduler_cls(qualname: str) -> type[Scheduler]:
+    """Import `"module:Class"`; the interface it must follow is `Scheduler`'s."""
+    module_name, sep, cls_name = qualname.partition(":")
+    if not sep or not module_name or not cls_name:
+        raise ValueError(f"scheduler_cls must look like 'module:Class', got {qualname!r}")
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"scheduler_cls {qualname!r}: {cls_name!r} is not a class in {module_name}")
+    return cls
+
+
+def build_scheduler(
+    scheduler_config: SchedulerConfig,
+    cache_config: CacheConfig,
+    num_blocks: int,
+    max_model_len: int | None = None,
+) -> Scheduler:
+    cls: type[Scheduler] = Scheduler
+    if scheduler_config.scheduler_cls:
+        cls = import_scheduler_cls(scheduler_config.scheduler_cls)
+        warnings.warn(
+            f"using custom scheduler {scheduler_config.scheduler_cls}: the scheduler interface "
+            "is not stable and may change without notice", UserWarning, stacklevel=2)
+    return cls(scheduler_config, cache_config, num_blocks, max_model_len)

@@ -1,0 +1,376 @@
+"""The token-budget scheduler: one rule, no prefill or decode phase."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.kv import KVCacheManager
+from tokenflow.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from tokenflow.scheduler.queue import create_request_queue
+from tokenflow.scheduler.request import WAITING_FOR_SOMETHING, Request, RequestStatus
+from tokenflow.scheduler.stop import check_stop
+
+
+class _StepPlan:
+    """What one `schedule()` call has decided so far (scratch state of a single step)."""
+
+    __slots__ = ("budget", "cached", "new_reqs", "num_scheduled", "preempted", "spec")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}
+        self.new_reqs: list[NewRequestData] = []
+        self.cached = CachedRequestData()
+        self.spec: dict[str, list[int]] = {}
+        self.preempted: set[str] = set()
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager of one engine.
+
+    Workers never see `Request` objects: each step they get a `SchedulerOutput` of deltas.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        model_len = max_model_len or scheduler_config.max_model_len
+        if model_len is None:
+            raise ValueError("max_model_len must be given (config or argument)")
+        # A sequence can never outgrow the whole cache, nor, without chunking, one step's
+        # budget (a preempted request recomputes all its tokens at once): both limit length.
+        model_len = min(model_len, num_blocks * cache_config.block_size)
+        if not scheduler_config.enable_chunked_prefill:
+            model_len = min(model_len, scheduler_config.max_num_batched_tokens)
+        self.max_model_len = model_len
+        self.policy = scheduler_config.policy
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._stats = SchedulerStats()
+
+    # ----------------------------------------------------------------- requests in and out
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_tokens >= self.max_model_len:
+            self._ignore(request, f"prompt of {request.num_tokens} tokens leaves no room to "
+                         f"generate within max_model_len={self.max_model_len}")
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _ignore(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.error = reason
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason="length", error=reason))
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from any state (abort, or a stop string seen by the detokenizer),
+        freeing everything they hold. Unknown or already finished ids are ignored."""
+        assert RequestStatus.is_finished(status)
+        found = [self.requests[r] for r in request_ids if r in self.requests]
+        if not found:
+            return
+        running = {id(r) for r in found if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        waiting = [r for r in found if r.status != RequestStatus.RUNNING]
+        if waiting:
+            self.waiting.remove_many(waiting)
+        for request in found:
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Attach drafted tokens to decoding requests; they are verified next step."""
+        for req_id, drafts in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            # Only a decoding request (all but its newest token computed) can verify drafts.
+            if (request is not None and request.status == RequestStatus.RUNNING
+                    and request.num_computed_tokens == request.num_tokens - 1):
+                request.spec_token_ids = list(drafts)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        """One step of the rule: every request's `num_computed_tokens` catches up with its
+        `num_tokens_with_spec` (plus output placeholders), inside one budget of
+        `max_num_batched_tokens` tokens.
+
+        Running requests go first, in queue order; each takes what it still lacks, capped by
+        the long-prefill threshold, the budget left and the model length. A request with
+        nothing to compute is skipped, not a reason to stop. When the KV cache has no block
+        for a running request, the policy's victim is preempted (recompute from scratch) until
+        one fits. Only if nothing was preempted are waiting requests then admitted, in policy
+        order, with their prefix-cache hits counted as computed, while the budget and
+        `max_num_seqs` allow. Decode, prefill chunks and speculative tokens are all the
+        same thing here: tokens not yet computed.
+        """
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        out = SchedulerOutput(
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.budget,
+            scheduled_spec_decode_tokens=plan.spec,
+            preempted_req_ids=plan.preempted,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        self._advance_computed(out)
+        return out
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        # The hot loop of the engine: locals and inlined arithmetic on purpose.
+        allocate = self.kv.allocate_slots
+        cached = plan.cached
+        threshold = self.config.long_prefill_token_threshold
+        max_position = self.max_model_len - 1
+        running = self.running
+        index = 0
+        while index < len(running) and plan.budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            all_tokens = request.all_token_ids
+            num_tokens = len(all_tokens)
+            num_new = (num_tokens + len(request.spec_token_ids)
+                       + request.num_output_placeholders - num_computed)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, plan.budget, max_position - num_computed)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = allocate(request, num_new)
+            if new_blocks is None:
+                new_blocks, index = self._make_room(request, index, num_new, plan)
+                if new_blocks is None:
+                    continue  # `request` itself was preempted; `index` is the next one
+            index += 1
+            req_id = request.request_id
+            plan.num_scheduled[req_id] = num_new
+            plan.budget -= num_new
+            num_prompt = request.num_prompt_tokens
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_token_ids.append(
+                all_tokens[num_computed if num_computed > num_prompt else num_prompt:])
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached.num_computed_tokens.append(num_computed)
+            if request.spec_token_ids and num_computed + num_new > num_tokens:
+                plan.spec[req_id] = request.spec_token_ids[:num_computed + num_new - num_tokens]
+
+    def _make_room(self, request: Request, index: int, num_new: int, plan: _StepPlan):
+        """Preempt victims until `request` gets its slots or is itself the victim.
+        Returns (new blocks or None, the request's index in the running list)."""
+        while True:
+            victim_index = self._victim_index()
+            victim = self.running[victim_index]
+            self._preempt(victim_index, plan)
+            if victim_index < index:
+                index -= 1
+            if victim is request:
+                return None, index
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, index
+
+    def _victim_index(self) -> int:
+        if self.policy == "priority":
+            running = self.running
+            return max(range(len(running)),
+                       key=lambda i: (running[i].priority, running[i].arrival_time))
+        return len(self.running) - 1
+
+    def _preempt(self, victim_index: int, plan: _StepPlan) -> None:
+        victim = self.running.pop(victim_index)
+        req_id = victim.request_id
+        if req_id in plan.num_scheduled:  # scheduled earlier in this step: give it all back
+            plan.budget += plan.num_scheduled.pop(req_id)
+            plan.spec.pop(req_id, None)
+            self._drop_cached_entry(plan.cached, req_id)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.num_preemptions += 1
+        self._stats.num_preemptions += 1
+        plan.preempted.add(req_id)
+        self.waiting.prepend(victim)
+
+    @staticmethod
+    def _drop_cached_entry(cached: CachedRequestData, req_id: str) -> None:
+        i = cached.req_ids.index(req_id)
+        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids,
+                       cached.new_block_ids, cached.num_computed_tokens):
+            del column[i]
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped: list[Request] = []
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and plan.budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting.peek()
+            if request.status in WAITING_FOR_SOMETHING:
+                skipped.append(self.waiting.pop())  # keeps its place: put back below
+                continue
+            if not self._admit(request, plan):
+                break
+            self.waiting.pop()
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _admit(self, request: Request, plan: _StepPlan) -> bool:
+        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        if num_new > plan.budget:
+            if not self.config.enable_chunked_prefill:
+                return False
+            num_new = plan.budget
+        if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+            return False
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        self.running.append(request)
+        req_id = request.request_id
+        plan.num_scheduled[req_id] = num_new
+        plan.budget -= num_new
+        block_ids = self.kv.get_block_ids(req_id)
+        if resumed:
+            cached = plan.cached
+            start = max(num_hit, request.num_prompt_tokens)
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_token_ids.append(request.all_token_ids[start:])
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_hit)
+        else:
+            plan.new_reqs.append(NewRequestData(
+                req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit))
+        return True
+
+    def _advance_computed(self, out: SchedulerOutput) -> None:
+        # Tokens count as computed once scheduled; rejected drafts are rolled back in update.
+        requests = self.requests
+        for req_id, num in out.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += num
+
+    # ------------------------------------------------------------------------- results
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Append sampled tokens, roll back rejected drafts, run stop checks, free finished
+        requests and return per-client deltas."""
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        requests = self.requests
+        spec = sched_out.scheduled_spec_decode_tokens
+        logprobs = runner_out.logprobs
+        prompt_logprobs = runner_out.prompt_logprobs
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        any_stopped = False
+        for req_id, sampled in zip(runner_out.req_ids, runner_out.sampled_token_ids, strict=True):
+            request = requests.get(req_id)
+            if request is None or request.status != running_status:
+                continue  # finished or preempted while this step ran
+            if spec and req_id in spec:
+                self._account_spec(request, len(spec[req_id]), len(sampled))
+            plp = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if not sampled and plp is None:
+                continue
+            request.output_token_ids.extend(sampled)
+            request.all_token_ids.extend(sampled)
+            out = EngineCoreOutput(req_id, sampled,
+                                   logprobs.get(req_id) if logprobs else None, plp,
+                                   num_cached_tokens=request.num_cached_tokens)
+            num_keep = check_stop(request, len(sampled), max_model_len) if sampled else None
+            if num_keep is not None:
+                self._finish_stopped(request, out, len(sampled) - num_keep)
+                any_stopped = True
+            outputs[request.client_index].append(out)
+        if any_stopped:
+            self.running = [r for r in self.running if r.status == running_status]
+        return self._collect_outputs(outputs)
+
+    def _account_spec(self, request: Request, num_drafts: int, num_sampled: int) -> None:
+        num_accepted = max(num_sampled - 1, 0)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        stats = self._stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+
+    def _finish_stopped(self, request: Request, out: EngineCoreOutput, num_trim: int) -> None:
+        """Drop the `num_trim` tokens sampled after the stop, report why, and free."""
+        if num_trim:
+            request.trim_output(request.num_output_tokens - num_trim)
+            out.new_token_ids = out.new_token_ids[:-num_trim]
+            if out.new_logprobs:
+                out.new_logprobs = out.new_logprobs[:-num_trim]
+        out.finish_reason = RequestStatus.finish_reason(request.status)
+        out.stop_reason = request.stop_reason
+        self._free(request)
+
+    def _collect_outputs(self, outputs: dict[int, list[EngineCoreOutput]]
+                         ) -> dict[int, EngineCoreOutputs]:
+        if self._pending_outputs:
+            outputs[0].extend(self._pending_outputs)
+            self._pending_outputs = []
+        result = {client: EngineCoreOutputs(outs) for client, outs in outputs.items()}
+        result.setdefault(0, EngineCoreOutputs()).scheduler_stats = self.make_stats()
+        return result
+
+    # --------------------------------------------------------------------------- stats
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, and counters since the previous call."""
+        stats, self._stats = self._stats, SchedulerStats()
+        stats.num_running_reqs = len(self.running)
+        stats.num_waiting_reqs = len(self.waiting)
+        stats.kv_cache_usage = self.kv.usage
+        stats.prefix_cache_queries, stats.prefix_cache_hits = self.kv.take_prefix_cache_stats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
