@@ -115,6 +115,14 @@ class KVCacheManager:
         or None, changing nothing, when the free blocks do not suffice. `new_computed_blocks`
         (from `get_computed_blocks`) are accepted only on the request's first allocation.
         """
+        state = self._reqs.get(request.request_id)
+        if state is not None and not (num_new_computed_tokens or num_lookahead_tokens):
+            # The decode fast path: the table already has the slots and no block fills up.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(state.blocks) * self.block_size and (
+                not self.enable_caching or end < (state.num_cached + 1) * self.block_size
+            ) and num_new_tokens >= 0 and not new_computed_blocks:
+                return []
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"token counts must be >= 0: new={num_new_tokens}, "
@@ -122,7 +130,6 @@ class KVCacheManager:
             )
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = -(-(num_computed + num_new_tokens + num_lookahead_tokens) // self.block_size)
-        state = self._reqs.get(request.request_id)
         if state is None:
             new_blocks = self._allocate_first(
                 request, num_computed, num_required, new_computed_blocks or []

@@ -83,6 +83,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
+    # Set by the scheduler at admission, so the per-token stop pre-check is two comparisons.
+    max_output_tokens: int = field(init=False, default=0)
+    stop_token_set: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from tokenflow.config import CacheConfig, SchedulerConfig
-from tokenflow.kv import KVCacheManager
+from tokenflow.kv import KVCacheManager, extend_block_hashes
 from tokenflow.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -77,6 +77,16 @@ class Scheduler:
             self._ignore(request, f"prompt of {request.num_tokens} tokens leaves no room to "
                          f"generate within max_model_len={self.max_model_len}")
             return
+        params = request.sampling_params
+        request.max_output_tokens = min(params.max_tokens or self.max_model_len,
+                                        self.max_model_len - request.num_prompt_tokens)
+        stops = set(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            stops.add(request.eos_token_id)
+        request.stop_token_set = frozenset(stops)
+        if self.kv.enable_caching:
+            # Hash the prompt's full blocks once, on arrival, not inside a scheduling step.
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -153,18 +163,22 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        self._advance_computed(out)
         return out
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # The hot loop of the engine: locals and inlined arithmetic on purpose.
         allocate = self.kv.allocate_slots
         cached = plan.cached
+        c_req_ids, c_resumed = cached.req_ids, cached.resumed_from_preemption
+        c_tokens, c_blocks, c_computed = (cached.new_token_ids, cached.new_block_ids,
+                                          cached.num_computed_tokens)
+        num_scheduled = plan.num_scheduled
         threshold = self.config.long_prefill_token_threshold
         max_position = self.max_model_len - 1
         running = self.running
+        budget = plan.budget
         index = 0
-        while index < len(running) and plan.budget > 0:
+        while index < len(running) and budget > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
             all_tokens = request.all_token_ids
@@ -173,28 +187,34 @@ class Scheduler:
                        + request.num_output_placeholders - num_computed)
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, plan.budget, max_position - num_computed)
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_position - num_computed:
+                num_new = max_position - num_computed
             if num_new <= 0:
                 index += 1
                 continue
             new_blocks = allocate(request, num_new)
             if new_blocks is None:
+                plan.budget = budget
                 new_blocks, index = self._make_room(request, index, num_new, plan)
+                budget = plan.budget
                 if new_blocks is None:
                     continue  # `request` itself was preempted; `index` is the next one
             index += 1
             req_id = request.request_id
-            plan.num_scheduled[req_id] = num_new
-            plan.budget -= num_new
+            num_scheduled[req_id] = num_new
+            budget -= num_new
             num_prompt = request.num_prompt_tokens
-            cached.req_ids.append(req_id)
-            cached.resumed_from_preemption.append(False)
-            cached.new_token_ids.append(
-                all_tokens[num_computed if num_computed > num_prompt else num_prompt:])
-            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
-            cached.num_computed_tokens.append(num_computed)
+            c_req_ids.append(req_id)
+            c_resumed.append(False)
+            c_tokens.append(all_tokens[num_computed if num_computed > num_prompt else num_prompt:])
+            c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            c_computed.append(num_computed)
+            request.num_computed_tokens = num_computed + num_new
             if request.spec_token_ids and num_computed + num_new > num_tokens:
                 plan.spec[req_id] = request.spec_token_ids[:num_computed + num_new - num_tokens]
+        plan.budget = budget
 
     def _make_room(self, request: Request, index: int, num_new: int, plan: _StepPlan):
         """Preempt victims until `request` gets its slots or is itself the victim.
@@ -269,7 +289,7 @@ class Scheduler:
             return False
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
+        request.num_computed_tokens = num_hit + num_new
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
         self.running.append(request)
@@ -290,19 +310,14 @@ class Scheduler:
                 req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit))
         return True
 
-    def _advance_computed(self, out: SchedulerOutput) -> None:
-        # Tokens count as computed once scheduled; rejected drafts are rolled back in update.
-        requests = self.requests
-        for req_id, num in out.num_scheduled_tokens.items():
-            requests[req_id].num_computed_tokens += num
-
     # ------------------------------------------------------------------------- results
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Append sampled tokens, roll back rejected drafts, run stop checks, free finished
         requests and return per-client deltas."""
-        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        outputs: list[EngineCoreOutput] = []
+        other_clients: dict[str, int] = {}  # requests of clients other than 0 (rare)
         requests = self.requests
         spec = sched_out.scheduled_spec_decode_tokens
         logprobs = runner_out.logprobs
@@ -323,15 +338,20 @@ class Scheduler:
             request.all_token_ids.extend(sampled)
             out = EngineCoreOutput(req_id, sampled,
                                    logprobs.get(req_id) if logprobs else None, plp,
-                                   num_cached_tokens=request.num_cached_tokens)
-            num_keep = check_stop(request, len(sampled), max_model_len) if sampled else None
-            if num_keep is not None:
-                self._finish_stopped(request, out, len(sampled) - num_keep)
-                any_stopped = True
-            outputs[request.client_index].append(out)
+                                   None, None, request.num_cached_tokens)
+            # Cheap pre-check; the full check (min_tokens, trimming) only when it may stop.
+            if sampled and (len(sampled) > 1 or sampled[0] in request.stop_token_set
+                            or len(request.output_token_ids) >= request.max_output_tokens):
+                num_keep = check_stop(request, len(sampled), max_model_len)
+                if num_keep is not None:
+                    self._finish_stopped(request, out, len(sampled) - num_keep)
+                    any_stopped = True
+            outputs.append(out)
+            if request.client_index:
+                other_clients[req_id] = request.client_index
         if any_stopped:
             self.running = [r for r in self.running if r.status == running_status]
-        return self._collect_outputs(outputs)
+        return self._collect_outputs(outputs, other_clients)
 
     def _account_spec(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         num_accepted = max(num_sampled - 1, 0)
@@ -353,12 +373,18 @@ class Scheduler:
         out.stop_reason = request.stop_reason
         self._free(request)
 
-    def _collect_outputs(self, outputs: dict[int, list[EngineCoreOutput]]
+    def _collect_outputs(self, outputs: list[EngineCoreOutput], other_clients: dict[str, int]
                          ) -> dict[int, EngineCoreOutputs]:
         if self._pending_outputs:
-            outputs[0].extend(self._pending_outputs)
+            outputs.extend(self._pending_outputs)
             self._pending_outputs = []
-        result = {client: EngineCoreOutputs(outs) for client, outs in outputs.items()}
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        if not other_clients:
+            by_client[0] = outputs
+        else:
+            for out in outputs:
+                by_client[other_clients.get(out.request_id, 0)].append(out)
+        result = {client: EngineCoreOutputs(outs) for client, outs in by_client.items()}
         result.setdefault(0, EngineCoreOutputs()).scheduler_stats = self.make_stats()
         return result
 
