@@ -28,7 +28,6 @@ class ModelConfig(_Frozen):
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    max_model_len: int | None = Field(default=None, ge=2)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

@@ -1,0 +1,1 @@
+"""Model execution: models, weights, tokenizer, runner, workers, executors and engines."""

@@ -1,0 +1,149 @@
+"""AsyncEngine: the step loop in its own thread, with asyncio streams for callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from tokenflow.config import EngineConfig
+from tokenflow.replica.llm_engine import LLMEngine, ProcessedRequest
+from tokenflow.replica.output_processor import RequestOutput
+from tokenflow.scheduler import SamplingParams, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; the replica must be replaced."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and the thread that steps it.
+
+    Callers on any asyncio loop get `generate(...)`, an async iterator of `RequestOutput`
+    deltas; closing or cancelling the iterator aborts the request and frees its blocks.
+    """
+
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tokenflow-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------- public API
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.engine.last_stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+
+    def process_inputs(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0,
+                       kv_transfer_params: dict | None = None) -> ProcessedRequest:
+        return self.engine.process_inputs(request_id or uuid.uuid4().hex, prompt, params,
+                                          priority, kv_transfer_params)
+
+    async def generate(self, prompt: str | list[int] | ProcessedRequest,
+                       params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream deltas of one request. Bad input raises ValueError before anything runs."""
+        self.check_health()
+        processed = (prompt if isinstance(prompt, ProcessedRequest)
+                     else self.process_inputs(prompt, params, request_id, priority))
+        request_id = processed.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(("add", processed))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # --------------------------------------------------------------------- engine thread
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as exc:  # the loop itself broke: fail every stream
+            logger.exception("engine loop died")
+            self.error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add_processed(payload)
+            else:
+                self.engine.abort_request([payload])
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,97 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenflow.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from tokenflow.replica.llm_engine import LLMEngine
+from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
+from tokenflow.scheduler import SamplingParams
+
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+             "parallel": ParallelConfig}
+
+
+def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
+    """Flat keyword arguments (as vLLM's `LLM(...)` takes them) -> one EngineConfig."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    sections["model"]["model"] = model
+    for key, value in kwargs.items():
+        owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
+        if owner is None:
+            raise TypeError(f"unknown engine argument {key!r}")
+        sections[owner][key] = value
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()})
+
+
+class LLM:
+    """Owns one LLMEngine and runs batches of prompts through it to completion."""
+
+    def __init__(self, model: str = "tokenflow-tiny", config: EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        self.config = config or engine_config_from_kwargs(model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order, whole (not deltas)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        merged: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    _merge(merged, delta)
+                    bar.update(int(delta.finished))
+        return [merged[i] for i in ids]
+
+
+def _merge(merged: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    total = merged.get(delta.request_id)
+    if total is None:
+        total = merged[delta.request_id] = RequestOutput(
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], False,
+            prompt_logprobs=[])
+    for c in delta.outputs:
+        while len(total.outputs) <= c.index:
+            total.outputs.append(CompletionOutput(len(total.outputs), "", []))
+        seq = total.outputs[c.index]
+        seq.text += c.text
+        seq.token_ids = [*seq.token_ids, *c.token_ids]
+        if c.logprobs:
+            seq.logprobs = (seq.logprobs or []) + c.logprobs
+        seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
+    if delta.prompt_logprobs:
+        total.prompt_logprobs.extend(delta.prompt_logprobs)
+    total.finished = delta.finished
+    total.num_cached_tokens = delta.num_cached_tokens
+    total.error = total.error or delta.error
+    total.metrics = delta.metrics

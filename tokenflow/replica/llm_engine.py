@@ -1,0 +1,125 @@
+"""LLMEngine: text in, text deltas out, around one EngineCore (synchronous)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from tokenflow.config import EngineConfig
+from tokenflow.replica.engine import EngineCore
+from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
+from tokenflow.replica.tiny_model import resolve_model_dir
+from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.scheduler import Request, RequestStatus, SamplingParams, SchedulerStats
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated client request: its engine-side sequences (n of them) and its prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[Request]
+
+
+class LLMEngine:
+    """Owns the tokenizer, the EngineCore and the OutputProcessor of one replica.
+
+    `process_inputs` is pure (safe from any thread); everything else runs on the engine's
+    own thread.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        tokenizer_dir = resolve_model_dir(config.model.tokenizer or config.model.model)
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        self.model_name = config.model.name
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.executor.arch.vocab_size
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_stats = SchedulerStats()
+
+    # --------------------------------------------------------------------------- inputs
+    def process_inputs(self, request_id: str, prompt: str | list[int],
+                       params: SamplingParams | None = None, priority: int = 0,
+                       kv_transfer_params: dict | None = None) -> ProcessedRequest:
+        """Tokenize and validate; raises ValueError with a message a client can read."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate(token_ids, params)
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        eos = self.tokenizer.eos_token_id
+        # A model may end turns with several tokens; all but the primary EOS act as stop ids.
+        extra_stops = [] if params.ignore_eos else sorted(
+            self.tokenizer.eos_token_ids - {eos} - set(params.stop_token_ids))
+        params = dataclasses.replace(params, max_tokens=max_tokens,
+                                     stop_token_ids=[*params.stop_token_ids, *extra_stops])
+        arrival = time.monotonic()
+        sequences = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            sequences.append(Request(child_id, token_ids, child_params, arrival_time=arrival,
+                                     priority=priority, eos_token_id=eos,
+                                     kv_transfer_params=kv_transfer_params))
+        return ProcessedRequest(request_id, text, token_ids, params, sequences)
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context "
+                             f"is {self.max_model_len} tokens (max_model_len)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceed "
+                f"the model's context of {self.max_model_len} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name} must be <= the vocabulary size {self.vocab_size}")
+        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------------- requests
+    def add_processed(self, processed: ProcessedRequest) -> None:
+        self.output_processor.add_request(
+            processed.request_id, [r.request_id for r in processed.sequences],
+            processed.prompt, processed.prompt_token_ids, processed.params)
+        for request in processed.sequences:
+            self.core.add_request(request)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0) -> None:
+        self.add_processed(self.process_inputs(request_id, prompt, params, priority))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.core.abort_requests(self.output_processor.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    # ----------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        core_out = self.core.step()
+        if core_out.scheduler_stats is not None:
+            self.last_stats = core_out.scheduler_stats
+        outputs, to_finish = self.output_processor.process(core_out.outputs)
+        if to_finish:  # stop strings: free those sequences now, not after max_tokens
+            self.core.scheduler.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
