@@ -1,0 +1,154 @@
+"""AsyncEngine: concurrent streams, cancellation, per-request errors; stop strings; the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenflow.replica.async_engine import AsyncEngine
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=16),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256))
+    engine = AsyncEngine(config)
+    yield engine
+    engine.shutdown()
+
+
+def kv(engine):
+    return engine.engine.core.scheduler.kv
+
+
+async def wait_all_free(engine, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if kv(engine).num_free_blocks == kv(engine).num_blocks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("blocks were not returned to the pool")
+
+
+async def collect(engine, prompt, params=GREEDY, request_id=None):
+    text, token_ids, finish = "", [], None
+    async for delta in engine.generate(prompt, params, request_id=request_id):
+        for c in delta.outputs:
+            text += c.text
+            token_ids += c.token_ids
+            finish = c.finish_reason or finish
+    return text, token_ids, finish
+
+
+async def test_concurrent_streams_match_sequential(engine):
+    prompts = [f"Request number {i} says hello" for i in range(8)]
+    alone = [await collect(engine, p) for p in prompts]
+    together = await asyncio.gather(*(collect(engine, p) for p in prompts))
+    assert together == alone
+    assert all(len(ids) == 12 and finish == "length" for _, ids, finish in together)
+    await wait_all_free(engine)
+
+
+async def test_cancel_mid_stream_frees_blocks(engine):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    seen = 0
+    stream = engine.generate("a long story " * 20, params, request_id="to-cancel")
+    async for delta in stream:
+        seen += len(delta.outputs[0].token_ids)
+        if seen >= 5:
+            break
+    # Still running when we walk away: only the cancellation can free it.
+    assert "to-cancel" in engine.engine.core.scheduler.requests
+    await stream.aclose()
+    await wait_all_free(engine)
+    assert "to-cancel" not in engine.engine.core.scheduler.requests
+
+
+async def test_task_cancellation_aborts(engine):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    task = asyncio.create_task(collect(engine, "cancel me please", params, "task-cancel"))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_all_free(engine)
+
+
+class ExplodingDetokenizer:
+    finished = False
+
+    def push(self, token_ids):
+        raise RuntimeError("detokenizer exploded")
+
+
+async def test_error_in_one_request_does_not_stop_others(engine, monkeypatch):
+    processor = engine.engine.output_processor
+    original = processor.add_request
+
+    def add_request(request_id, child_ids, *args):
+        original(request_id, child_ids, *args)
+        if request_id == "bad":
+            processor._children["bad"].detokenizer = ExplodingDetokenizer()
+
+    monkeypatch.setattr(processor, "add_request", add_request)
+    good = asyncio.create_task(collect(engine, "a good request"))
+    errors = []
+    async for delta in engine.generate("a bad request", GREEDY, request_id="bad"):
+        errors.append(delta.error)
+        finish = delta.outputs[0].finish_reason
+    assert finish == "error" and "exploded" in errors[-1]
+    _, good_ids, good_finish = await good
+    assert good_finish == "length" and len(good_ids) == 12
+    assert engine.is_running
+    await wait_all_free(engine)
+
+
+async def test_bad_input_raises_before_running(engine):
+    with pytest.raises(ValueError, match="empty"):
+        await collect(engine, [])
+    with pytest.raises(ValueError, match="context"):
+        await collect(engine, "x", SamplingParams(max_tokens=10**6))
+    assert (await collect(engine, "still fine"))[2] == "length"
+
+
+def test_stop_string_ends_generation_and_frees_at_once():
+    llm = LLM("tokenflow-tiny", num_blocks=128)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    full = llm.generate(["The weather today"], greedy, use_tqdm=False)[0].outputs[0]
+    assert len(full.text) > 10
+    stop = full.text[6:9]
+    cut = llm.generate(["The weather today"],
+                       SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert full.text.startswith(cut.text) and stop not in cut.text
+    assert len(cut.token_ids) < len(full.token_ids)
+    kept = llm.generate(["The weather today"],
+                        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                       stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text.endswith(stop) and kept.text == cut.text + stop
+    scheduler = llm.engine.core.scheduler
+    assert not scheduler.requests and scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+
+
+def test_cli_generate_on_default_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenflow.cli", "generate", "Hello", "--max-tokens", "5",
+         "--num-blocks", "64"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "'Hello' -> " in result.stdout and "(length)" in result.stdout
+
+
+def test_cli_generate_reports_missing_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenflow.cli", "generate", "Hi", "--model", "/no/such/dir"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "never downloads" in result.stderr
