@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,13 +219,12 @@ def _sources(
         start += rows
 
 
-TensorSource = Iterator[tuple[str, Callable[[], torch.Tensor]]]
+TensorSource = Iterator[tuple[str, torch.Tensor]]  # (checkpoint name, tensor), one at a time
 
 
 def _fill(needed: dict[str, list[Target]], source: TensorSource) -> None:
     seen: set[str] = set()
-    for key, read in source:
-        tensor = read()
+    for key, tensor in source:
         for param, start, rows in needed[key]:
             dst = param.narrow(0, start, rows)
             if tuple(tensor.shape) != tuple(dst.shape):
@@ -260,7 +259,7 @@ def _safetensors(model_dir: Path, wanted: set[str]) -> TensorSource:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if key in wanted:
-                    yield key, lambda h=handle, k=key: h.get_tensor(k)
+                    yield key, handle.get_tensor(key)
 
 
 def _dummy_tensors(needed: dict[str, list[Target]], seed: int) -> TensorSource:
@@ -268,7 +267,7 @@ def _dummy_tensors(needed: dict[str, list[Target]], seed: int) -> TensorSource:
     for key, targets in sorted(needed.items()):
         param, _, rows = targets[0]
         shape = (rows, *param.shape[1:])
-        yield key, lambda k=key, s=shape: _dummy_tensor(k, s, seed)
+        yield key, _dummy_tensor(key, shape, seed)
 
 
 def _dummy_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
