@@ -38,15 +38,11 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
 
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
-    """Reference: full recompute each step, argmax; plus the first step's log-probs."""
-    ids = torch.tensor([prompt])
-    first_logprobs = None
-    for _ in range(num_new):
-        logits = hf_model(ids).logits[0, -1].float()
-        if first_logprobs is None:
-            first_logprobs = torch.log_softmax(logits, dim=-1)
-        ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist(), first_logprobs
+    """Reference: transformers' own greedy `generate`, plus the first step's log-probs."""
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
+                            pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    first_logprobs = torch.log_softmax(out.logits[0][0].float(), dim=-1)
+    return out.sequences[0, len(prompt):].tolist(), first_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +54,9 @@ def reference(checkpoint):
 
 def _load_hf(path):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare full lengths, as ignore_eos does
+    return model
 
 
 SCENARIOS = {
@@ -150,6 +148,18 @@ def test_prompt_logprobs_match_transformers(checkpoint):
         assert plp[j].token_ids[0] == prompt[j]
         assert plp[j].logprobs[0] == pytest.approx(expected[j - 1, prompt[j]].item(), abs=1e-4)
         assert len(plp[j].token_ids) == 3
+
+
+def test_cli_generate_on_a_checkpoint_directory(checkpoint):
+    import subprocess
+    import sys
+
+    path, _ = checkpoint
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenflow.cli", "generate", "--model", str(path), "Hello",
+         "--max-tokens", "4", "--num-blocks", "32"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "'Hello' -> " in result.stdout
 
 
 def test_bad_input_is_a_clear_error(checkpoint):
