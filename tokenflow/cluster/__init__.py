@@ -1,0 +1,7 @@
+"""Serving on Ray Serve: the OpenAI ingress, the LLMServer replica, and the app builder.
+
+Modules, one noun each: `protocol` (OpenAI schemas), `errors` (OpenAI error JSON), `messages`
+(what an LLMServer streams), `responses` (stream events -> OpenAI bodies and SSE), `ingress`
+(OpenAIIngress), `server` (LLMServer), `metrics` (tokenflow_* metrics), `app` (build_app),
+`launcher` (`tokenflow serve`). Nothing is imported here: the ingress must not pull in torch.
+"""

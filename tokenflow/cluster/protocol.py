@@ -140,7 +140,7 @@ class _SamplingRequest(_Request):
         """Whether a streamed response ends with a usage event."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def _build_sampling_params(self, max_tokens: int | None, default_max_tokens: int,
+    def _build_sampling_params(self, max_tokens: int | None, default_max_tokens: int | None,
                                min_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {
             "temperature": self.temperature,
@@ -246,8 +246,9 @@ class CompletionRequest(_SamplingRequest):
             return [self.prompt]
         return self.prompt
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine params; `default_max_tokens` applies when the client sent `max_tokens: null`."""
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """Engine params; `default_max_tokens` applies when the client sent `max_tokens: null`
+        (None: the engine's default, the room left in the context after the prompt)."""
         return self._build_sampling_params(self.max_tokens, default_max_tokens, self.min_tokens,
                                            self.logprobs)
 
@@ -339,8 +340,9 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as `{"role", "content"}` dicts of plain text, ready for a chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine params; `default_max_tokens` applies when neither max field was given."""
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """Engine params; `default_max_tokens` applies when neither max field was given
+        (None: the engine's default, the room left in the context after the prompt)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._build_sampling_params(self.effective_max_tokens, default_max_tokens,
                                            self.min_tokens, logprobs)

@@ -60,7 +60,23 @@ class AsyncEngine:
 
     @property
     def stats(self) -> SchedulerStats:
-        return self.engine.last_stats
+        """Gauges of the last step. An idle engine takes no steps, so when nothing is
+        unfinished the running and waiting counts are reported as zero."""
+        last = self.engine.last_stats
+        if self.engine.has_unfinished_requests():
+            return last
+        return SchedulerStats(kv_cache_usage=last.kv_cache_usage)
+
+    @property
+    def totals(self) -> SchedulerStats:
+        """Counters (prefix-cache queries and hits, preemptions, drafts) since start."""
+        return self.engine.totals
+
+    @property
+    def kv_cache(self) -> tuple[int, int]:
+        """(free blocks, total blocks) of the KV cache now."""
+        kv = self.engine.core.scheduler.kv
+        return kv.num_free_blocks, kv.num_blocks
 
     @property
     def is_running(self) -> bool:

@@ -42,6 +42,8 @@ class LLMEngine:
         self.vocab_size = self.core.executor.arch.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats = SchedulerStats()
+        # Counters summed over every step since start (gauges are last_stats's).
+        self.totals = SchedulerStats()
 
     # --------------------------------------------------------------------------- inputs
     def process_inputs(self, request_id: str, prompt: str | list[int],
@@ -116,10 +118,20 @@ class LLMEngine:
         core_out = self.core.step()
         if core_out.scheduler_stats is not None:
             self.last_stats = core_out.scheduler_stats
+            self._add_to_totals(core_out.scheduler_stats)
         outputs, to_finish = self.output_processor.process(core_out.outputs)
         if to_finish:  # stop strings: free those sequences now, not after max_tokens
             self.core.scheduler.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def _add_to_totals(self, stats: SchedulerStats) -> None:
+        totals = self.totals
+        for name in _COUNTERS:
+            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_drafts",
+             "num_draft_tokens", "num_accepted_tokens")

@@ -1,0 +1,224 @@
+"""App configs and the three entry points that read them.
+
+The first half is pure (no Ray): the presets validate, a bad file names the field path, Serve
+args map onto deployment options. The second half deploys onto the session's cluster the way
+users do: Ray's own `serve run` with the `applications:` YAML, and `tokenflow serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.cluster.conftest import ENGINE_ARGS, Cluster
+from tokenflow.cli import main as cli_main
+from tokenflow.config import AppConfig, ConfigError, load_app_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+BIN = Path(sys.executable).parent
+
+
+# ------------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "autoscale.yaml"])
+def test_presets_validate(name: str) -> None:
+    config = load_app_config(CONFIGS / name)
+    assert config.engine.model.model == "tokenflow-tiny"
+    assert config.host == "127.0.0.1"
+
+
+def test_local_preset_is_one_replica_and_autoscale_is_a_range() -> None:
+    from tokenflow.cluster.app import app_config_from_args, server_options
+
+    local = server_options(app_config_from_args({"config": str(CONFIGS / "local.yaml")})
+                           .deployment)
+    assert local["num_replicas"] == 1 and "autoscaling_config" not in local
+    auto = server_options(app_config_from_args({"config": str(CONFIGS / "autoscale.yaml")})
+                          .deployment)
+    assert "num_replicas" not in auto
+    scaling = auto["autoscaling_config"]
+    assert scaling["min_replicas"] == 1 and scaling["max_replicas"] > 1
+    assert {"target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"} <= set(scaling)
+    # Serve itself accepts the options.
+    from ray.serve.config import AutoscalingConfig
+    AutoscalingConfig(**scaling)
+
+
+def test_serve_yaml_is_a_valid_serve_config_with_our_args() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from tokenflow.cluster.app import app_config_from_args
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(
+        (CONFIGS / "serve_local.yaml").read_text()))
+    [app] = schema.applications
+    assert app.import_path == "tokenflow.cluster.app:build_app"
+    assert app_config_from_args(app.args).engine.model.model == "tokenflow-tiny"
+    assert schema.http_options.host == "127.0.0.1"
+
+
+# ------------------------------------------------------------------------ bad configs
+
+
+BAD_CONFIGS = [
+    ({"engine": {"cache": {"num_blocks": -1}}}, "engine.cache.num_blocks"),
+    ({"engine": {"scheduler": {"policy": "lifo"}}}, "engine.scheduler.policy"),
+    ({"deployment": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2},
+                     "num_replicas": None}}, "deployment.autoscaling_config"),
+    ({"deployment": {"max_ongoing_requests": "many"}}, "deployment.max_ongoing_requests"),
+    ({"engine": {"model": {"dtype": "float8"}}}, "engine.model.dtype"),
+    ({"engine": {"modle": {}}}, "engine.modle"),
+    ({"port": 70000}, "port"),
+]
+
+
+@pytest.mark.parametrize("data,path", BAD_CONFIGS, ids=[p for _, p in BAD_CONFIGS])
+def test_bad_config_file_names_the_field_path(tmp_path: Path, data: dict[str, Any],
+                                              path: str) -> None:
+    file = tmp_path / "bad.yaml"
+    file.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as info:
+        load_app_config(file)
+    message = str(info.value)
+    assert str(file) in message
+    assert f"  {path}:" in message or f"  {path}." in message, message
+
+
+def test_build_app_args_errors_name_the_field_path(tmp_path: Path) -> None:
+    from tokenflow.cluster.app import app_config_from_args
+
+    with pytest.raises(ConfigError, match=r"engine\.cache\.block_size"):
+        app_config_from_args({"engine": {"cache": {"block_size": 0}}})
+    with pytest.raises(ConfigError, match="not found"):
+        app_config_from_args({"config": str(tmp_path / "missing.yaml")})
+    with pytest.raises(ConfigError, match="either 'config' or an inline config"):
+        app_config_from_args({"config": str(CONFIGS / "local.yaml"), "engine": {}})
+
+
+def test_flat_overrides_apply_over_a_config_file() -> None:
+    from tokenflow.cluster.app import app_config_from_args
+
+    config = app_config_from_args({"config": str(CONFIGS / "local.yaml"), "api_key": "k",
+                                   "model": "tokenflow-tiny"})
+    assert config.api_key == "k"
+    assert config.engine.cache.num_blocks == 512  # the file's other fields stay
+    assert app_config_from_args({}) == AppConfig()
+
+
+def test_cli_reports_a_bad_config_and_exits_2(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "bad.yaml"
+    file.write_text("engine:\n  cache:\n    num_blocks: 0\n")
+    assert cli_main(["serve", "--config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.cache.num_blocks" in err and str(file) in err
+
+
+# -------------------------------------------------------------------- real entry points
+
+
+def _small_args() -> dict[str, Any]:
+    return {"engine": ENGINE_ARGS,
+            "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.5}}}
+
+
+def _wait_running(app_name: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.status == "RUNNING":
+            return
+        assert app is None or app.status != "DEPLOY_FAILED", app
+        time.sleep(0.5)
+    raise TimeoutError(f"{app_name} not RUNNING after {timeout_s}s")
+
+
+def _complete(url: str) -> dict[str, Any]:
+    r = httpx.post(url + "/v1/completions", timeout=30,
+                   json={"model": "tokenflow-tiny", "prompt": "hello", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.slow
+def test_serve_run_with_the_applications_yaml(cluster: Cluster, tmp_path: Path) -> None:
+    """Ray's own CLI, `serve run <config>`, deploys configs/serve_local.yaml onto the cluster.
+
+    Only what must differ on a shared test cluster is changed: the app's name and route prefix,
+    the HTTP port of the running Serve, and a smaller replica.
+    """
+    from ray import serve
+
+    config = yaml.safe_load((CONFIGS / "serve_local.yaml").read_text())
+    config["http_options"]["port"] = int(cluster.http_url.rsplit(":", 1)[1])
+    [app] = config["applications"]
+    app.update(name="from_yaml", route_prefix="/yaml")
+    app["args"].update(_small_args())
+    file = tmp_path / "serve.yaml"
+    file.write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    env = {**os.environ, "RAY_ADDRESS": cluster.gcs_address}
+    done = subprocess.run([str(BIN / "serve"), "run", str(file), "--non-blocking"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    try:
+        _wait_running("from_yaml", timeout_s=120)
+        print(f"serve run: RUNNING after {time.monotonic() - started:.1f}s")
+        out = _complete(cluster.http_url + "/yaml")
+        assert out["usage"]["completion_tokens"] == 3
+    finally:
+        serve.delete("from_yaml")
+
+
+@pytest.mark.slow
+def test_tokenflow_serve_joins_the_cluster_and_stops_on_sigterm(cluster: Cluster,
+                                                                tmp_path: Path) -> None:
+    """`tokenflow serve` with RAY_ADDRESS set: deploys, prints the URL, SIGTERM removes it."""
+    from ray import serve
+
+    file = tmp_path / "cli.yaml"
+    file.write_text(yaml.safe_dump({**_small_args(), "route_prefix": "/cli"}))
+    env = {**os.environ, "RAY_ADDRESS": cluster.gcs_address}
+    proc = subprocess.Popen([str(BIN / "tokenflow"), "serve", "--config", str(file),
+                             "--api-key", "cli-key"], env=env, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            if "serving the OpenAI API at" in line:
+                break
+        assert any("serving the OpenAI API at" in line for line in lines), "".join(lines)
+        assert any("application" in line for line in lines)  # progress was shown
+        url = cluster.http_url + "/cli"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 401  # --api-key applied
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "Bearer cli-key"}, timeout=30)
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "tokenflow" not in serve.status().applications
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

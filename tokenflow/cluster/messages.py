@@ -1,0 +1,68 @@
+"""The plain data an `LLMServer` streams to its callers through a Serve handle.
+
+A generation stream is a sequence of events: first `Rejected` (bad input; nothing else follows)
+or `Accepted`, then batches of `SeqDelta` (a `list`, one per yield: whatever the engine produced
+since the previous yield), and last `Finished` with the usage totals. Validation results travel
+as data, not exceptions: an exception raised in a replica reaches the caller wrapped in Ray's
+error types, and a client's mistake must become a 400, not a 500.
+
+Everything here is small and pickles cheaply; nothing imports torch, so the ingress stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The input was invalid (too long, empty, no chat template, ...): the stream ends here."""
+
+    message: str
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Every prompt passed validation and is queued in the engine."""
+
+    request_id: str
+    num_prompt_tokens: list[int]  # one entry per prompt
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token at one position, detokenized, with its top alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class SeqDelta:
+    """What one choice gained in one engine step.
+
+    `index` is the OpenAI choice index: `prompt_index * n + sequence_index`. `finish_reason` is
+    the engine's ('stop', 'length', 'abort', 'error'), set on the choice's last delta.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a stream: usage totals over every prompt and choice."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+StreamEvent = Union[Rejected, Accepted, list[SeqDelta], Finished]

@@ -1,0 +1,134 @@
+"""The `tokenflow_*` metrics of one LLMServer replica, through `ray.util.metrics`.
+
+Ray exports them from every worker to the node's metrics agent, so they show up in the Ray
+dashboard and in its Prometheus endpoint (as `ray_tokenflow_*`; counters gain `_total`). Every
+metric is tagged with the served model's name.
+
+Two feeds, neither per token:
+- `observe_request` once per finished request, from its `RequestMetrics` timestamps;
+- `observe_scheduler` from a periodic poll of the engine's scheduler stats (gauges) and its
+  cumulative counters (turned into counter increments here).
+
+What the latencies measure (all wall clock, seconds):
+- TTFT: engine arrival -> first token of any sequence.
+- inter-token latency: (last token - first token) / (tokens of the longest sequence - 1), one
+  observation per request (the mean gap), so the hot path records nothing per token.
+- e2e: engine arrival -> finished.
+- queue time: the ingress received the HTTP request -> the engine accepted it. This is the time
+  spent in Serve's routing and replica queues plus tokenization; time spent in the engine's own
+  waiting queue is not separable from prefill with the engine's timestamps and is part of TTFT
+  (the `tokenflow_num_requests_waiting` gauge shows that queue's length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                      7.5, 10.0, 20.0, 40.0, 80.0]
+_ITL_BUCKETS_S = [0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                  0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+_TAG_KEYS = ("model",)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One finished request, as the metrics need it (timestamps are `time.time()`)."""
+
+    received_time: float | None  # when the ingress got the HTTP request; None if unknown
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_sequence_tokens: int  # tokens of the longest of the n sequences
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's gauges now, and its counters as totals since the replica started."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    preemptions_total: int
+
+
+class ServerMetrics:
+    """Owns one replica's `tokenflow_*` metric objects and the counter totals already reported.
+
+    Ray aggregates the same metric name across replicas by their tags, so each replica creates
+    its own objects; the model tag tells deployments of different models apart.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        tags = {"model": model_name}
+        self.names: list[str] = []  # every metric this replica defines
+
+        def gauge(name: str, doc: str) -> Gauge:
+            self.names.append(name)
+            return Gauge(name, doc, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+        def counter(name: str, doc: str) -> Counter:
+            self.names.append(name)
+            return Counter(name, doc, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            self.names.append(name)
+            return Histogram(name, doc, buckets, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+        self.running = gauge("tokenflow_num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("tokenflow_num_requests_waiting", "Requests waiting for admission.")
+        self.kv_usage = gauge("tokenflow_kv_cache_usage", "Fraction of KV blocks in use (0-1).")
+        self.prefix_queries = counter("tokenflow_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("tokenflow_prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache.")
+        self.preemptions = counter("tokenflow_num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("tokenflow_prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("tokenflow_generation_tokens", "Tokens generated.")
+        self.ttft = histogram("tokenflow_time_to_first_token_seconds",
+                              "Engine arrival to first token.", _LATENCY_BUCKETS_S)
+        self.itl = histogram("tokenflow_inter_token_latency_seconds",
+                             "Mean gap between tokens of a request.", _ITL_BUCKETS_S)
+        self.e2e = histogram("tokenflow_e2e_request_latency_seconds",
+                             "Engine arrival to the request's last token.", _LATENCY_BUCKETS_S)
+        self.queue_time = histogram("tokenflow_request_queue_time_seconds",
+                                    "Ingress receipt to engine arrival.", _LATENCY_BUCKETS_S)
+        self._reported = SchedulerSnapshot(0, 0, 0.0, 0, 0, 0)
+
+    def observe_request(self, t: RequestTiming) -> None:
+        """Record one finished request's latencies and token counts."""
+        _inc(self.prompt_tokens, t.num_prompt_tokens)
+        _inc(self.generation_tokens, t.num_generation_tokens)
+        if t.received_time is not None:
+            self.queue_time.observe(max(0.0, t.arrival_time - t.received_time))
+        if t.first_token_time is not None:
+            self.ttft.observe(max(0.0, t.first_token_time - t.arrival_time))
+            if t.last_token_time is not None and t.max_sequence_tokens > 1:
+                gap = (t.last_token_time - t.first_token_time) / (t.max_sequence_tokens - 1)
+                self.itl.observe(max(0.0, gap))
+        if t.finished_time is not None:
+            self.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
+
+    def observe_scheduler(self, s: SchedulerSnapshot) -> None:
+        """Set the gauges; add what the cumulative counters gained since the last call."""
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_cache_usage)
+        last = self._reported
+        _inc(self.prefix_queries, s.prefix_cache_queries_total - last.prefix_cache_queries_total)
+        _inc(self.prefix_hits, s.prefix_cache_hits_total - last.prefix_cache_hits_total)
+        _inc(self.preemptions, s.preemptions_total - last.preemptions_total)
+        self._reported = s
+
+
+def _inc(counter: Counter, amount: float) -> None:
+    # Ray counters reject increments <= 0; "nothing happened" is simply not recorded.
+    if amount > 0:
+        counter.inc(amount)

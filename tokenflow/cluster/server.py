@@ -1,0 +1,263 @@
+"""`LLMServer`: one Ray Serve replica = one `AsyncEngine`.
+
+The replica owns the tokenizer (through its engine), so tokenization, chat templates and input
+validation happen here; the ingress only checks the request's shape. Generation methods are
+async generators meant for a streaming handle (`handle.options(stream=True)`); their events are
+described in `cluster.messages`. Cancelling a stream (a client that went away) cancels the
+per-prompt tasks, which close their engine streams, which aborts the requests and frees their
+KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenflow.cluster.messages import (
+    Accepted,
+    Finished,
+    Rejected,
+    SeqDelta,
+    StreamEvent,
+    TokenLogprob,
+)
+from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMetrics
+from tokenflow.config import EngineConfig
+from tokenflow.replica.async_engine import AsyncEngine
+from tokenflow.replica.llm_engine import ProcessedRequest
+from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
+from tokenflow.scheduler import SamplingParams, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Tally:
+    """One prompt's request as the stream sees it: token counts and which choices are done."""
+
+    num_prompt_tokens: int
+    n: int
+    num_cached_tokens: int = 0
+    tokens_per_seq: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.tokens_per_seq.values())
+
+    def add(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        for c in out.outputs:
+            self.tokens_per_seq[c.index] = self.tokens_per_seq.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finished.add(c.index)
+
+
+class LLMServer:
+    """Owns one AsyncEngine and its metrics; streams OpenAI-level requests through it and
+    reports health and load (running, waiting, KV usage) for Serve's autoscaler and router."""
+
+    def __init__(self, engine_config: dict[str, Any] | EngineConfig,
+                 metrics_interval_s: float = 0.5) -> None:
+        config = EngineConfig.model_validate(engine_config)
+        self.engine = AsyncEngine(config)
+        self.metrics = ServerMetrics(self.engine.model_name)
+        self._token_text: dict[int, str] = {}
+        # Serve builds replicas on their event loop; outside one (a plain unit test) there is
+        # simply no poller.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._poller = loop.create_task(self._poll_stats(metrics_interval_s)) if loop else None
+
+    # ------------------------------------------------------------------------ generation
+    async def generate_completion(self, prompts: list[Prompt], params: SamplingParams,
+                                  request_id: str, priority: int = 0,
+                                  received_time: float | None = None
+                                  ) -> AsyncIterator[StreamEvent]:
+        """Stream one completion request (a batch of prompts, n choices each)."""
+        try:
+            processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority)
+                         for i, p in enumerate(prompts)]
+        except ValueError as exc:
+            yield Rejected(str(exc))
+            return
+        async for event in self._stream(request_id, processed, received_time):
+            yield event
+
+    async def generate_chat(self, messages: list[dict[str, str]], params: SamplingParams,
+                            request_id: str, priority: int = 0,
+                            received_time: float | None = None,
+                            add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None
+                            ) -> AsyncIterator[StreamEvent]:
+        """Stream one chat request: render the chat template, then generate."""
+        rendered = self._render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        if isinstance(rendered, Rejected):
+            yield rendered
+            return
+        try:
+            processed = [self.engine.process_inputs(rendered, params, f"{request_id}-0",
+                                                    priority)]
+        except ValueError as exc:
+            yield Rejected(str(exc))
+            return
+        async for event in self._stream(request_id, processed, received_time):
+            yield event
+
+    async def _stream(self, request_id: str, processed: list[ProcessedRequest],
+                      received_time: float | None) -> AsyncIterator[StreamEvent]:
+        """Run every prompt's engine stream as a task and merge their deltas, yielding each
+        time whatever arrived since the previous yield (one Ray item per batch, not per token)."""
+        yield Accepted(request_id, [len(p.prompt_token_ids) for p in processed])
+        queue: asyncio.Queue[list[SeqDelta] | None] = asyncio.Queue()
+        n = processed[0].params.n
+        tallies = [_Tally(len(p.prompt_token_ids), n) for p in processed]
+        tasks = [asyncio.create_task(self._pump(p, i * n, tally, queue, received_time))
+                 for i, (p, tally) in enumerate(zip(processed, tallies, strict=True))]
+        try:
+            pending = len(tasks)
+            while pending:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                deltas = [d for item in batch if item is not None for d in item]
+                pending -= sum(item is None for item in batch)
+                if deltas:
+                    yield deltas
+            yield Finished(sum(t.num_prompt_tokens for t in tallies),
+                           sum(t.num_generated for t in tallies),
+                           sum(t.num_cached_tokens for t in tallies))
+        finally:
+            # Normal end: the tasks are done. Cancelled (the caller went away): each task's
+            # engine stream closes, which aborts its request and frees its blocks.
+            for task in tasks:
+                task.cancel()
+
+    async def _pump(self, processed: ProcessedRequest, base_index: int, tally: _Tally,
+                    queue: asyncio.Queue[list[SeqDelta] | None],
+                    received_time: float | None) -> None:
+        """Move one engine stream's deltas onto the merged queue; None marks its end."""
+        try:
+            async for out in self.engine.generate(processed):
+                tally.add(out)
+                queue.put_nowait([self._delta(base_index, c, out.error) for c in out.outputs])
+                if out.finished:
+                    self._record(out, tally, received_time)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the engine died under us: end every open choice with it
+            logger.warning("request %s failed: %r", processed.request_id, exc)
+            queue.put_nowait([SeqDelta(base_index + j, "", [], None, "error", str(exc))
+                              for j in range(tally.n) if j not in tally.finished])
+        finally:
+            queue.put_nowait(None)
+
+    def _delta(self, base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
+        logprobs = None if c.logprobs is None else [self._logprob(lp) for lp in c.logprobs]
+        return SeqDelta(base_index + c.index, c.text, list(c.token_ids), logprobs,
+                        c.finish_reason, error if c.finish_reason == "error" else None)
+
+    def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
+        top = [(self._text_of(t), v) for t, v in zip(lp.token_ids[1:], lp.logprobs[1:],
+                                                    strict=True)]
+        return TokenLogprob(self._text_of(lp.token_ids[0]), lp.logprobs[0], top)
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.engine.tokenizer.decode(
+                [token_id], skip_special_tokens=False)
+        return text
+
+    def _record(self, out: RequestOutput, tally: _Tally, received_time: float | None) -> None:
+        m = out.metrics
+        if m is None:
+            return
+        self.metrics.observe_request(RequestTiming(
+            received_time, m.arrival_time, m.first_token_time, m.last_token_time,
+            m.finished_time, tally.num_prompt_tokens, tally.num_generated,
+            max(tally.tokens_per_seq.values(), default=0)))
+
+    # ------------------------------------------------------------------------ tokenizer
+    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                     chat_template_kwargs: dict[str, Any] | None) -> list[int] | Rejected:
+        """The conversation's prompt token ids, or why it cannot be rendered."""
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                                 **(chat_template_kwargs or {}))
+        except ValueError as exc:
+            return Rejected(str(exc), "messages")
+        except Exception as exc:  # a template that raises (jinja's raise_exception) on input
+            return Rejected(f"the chat template failed on these messages: {exc}", "messages")
+        # Templates emit their own BOS: encoding with special tokens would double it.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True
+                 ) -> dict[str, Any] | Rejected:
+        """Token ids of a text, or of a conversation through the chat template."""
+        if messages is not None:
+            ids = self._render_chat(messages, add_generation_prompt, None)
+            if isinstance(ids, Rejected):
+                return ids
+        else:
+            ids = self.engine.tokenizer.encode(prompt or "", add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any] | Rejected:
+        """The text of token ids; ids outside the vocabulary are the caller's mistake."""
+        vocab = self.engine.tokenizer.vocab_size
+        if any(t >= vocab for t in tokens):
+            return Rejected(f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.engine.tokenizer.decode(tokens)}
+
+    def model_info(self) -> dict[str, Any]:
+        return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+    # ------------------------------------------------------------------- health and load
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes it replace the replica."""
+        self.engine.check_health()
+
+    def stats(self) -> dict[str, Any]:
+        """Queue length and KV usage now."""
+        stats = self.engine.stats
+        num_free, num_blocks = self.engine.kv_cache
+        return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
+                "kv_usage": 1 - num_free / num_blocks, "num_free_blocks": num_free,
+                "num_blocks": num_blocks}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook for request routers: the same load figures as `stats`."""
+        return self.stats()
+
+    async def _poll_stats(self, interval_s: float) -> None:
+        while True:
+            try:
+                self.metrics.observe_scheduler(self._snapshot())
+            except Exception:  # metrics must never take the replica down
+                logger.exception("updating scheduler metrics failed")
+            await asyncio.sleep(interval_s)
+
+    def _snapshot(self) -> SchedulerSnapshot:
+        stats, totals = self.engine.stats, self.engine.totals
+        num_free, num_blocks = self.engine.kv_cache
+        return SchedulerSnapshot(stats.num_running_reqs, stats.num_waiting_reqs,
+                                 1 - num_free / num_blocks, totals.prefix_cache_queries,
+                                 totals.prefix_cache_hits, totals.num_preemptions)
+
+    def __del__(self) -> None:
+        # Serve calls __del__ when it stops a replica: stop the engine thread cleanly.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if getattr(self, "_poller", None) is not None:
+            self._poller.cancel()
