@@ -12,6 +12,7 @@ a line: id, arrival_s, prompt_token_ids, output_len) so another scheduler can re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -70,6 +71,10 @@ def run(args: argparse.Namespace, trace: list[dict]) -> dict:
     cache_cfg = CacheConfig(block_size=args.block_size,
                             enable_prefix_caching=args.prefix_caching)
     scheduler = Scheduler(sched_cfg, cache_cfg, args.num_blocks)
+    if args.gc_freeze:
+        # As EngineCore does after start-up: long-lived objects (every KV block) leave the
+        # collector's generations, so collections do not walk them.
+        gc.freeze()
     pending = sorted(trace, key=lambda t: t["arrival_s"])
     step_us: list[float] = []
     full_us: list[float] = []
@@ -140,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-trace", help="write the synthetic trace as JSONL and go on")
     p.add_argument("--label", default=None, help="results file name suffix")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True)
     return p.parse_args(argv)
 
 

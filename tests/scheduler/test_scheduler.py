@@ -399,8 +399,7 @@ def test_stats_and_no_leaks_after_full_run():
     run_until_done(scheduler, on_step=lambda s, out: seen.append(s.make_stats()))
     assert_no_leaks(scheduler)
     assert all(0.0 <= st.kv_cache_usage <= 1.0 for st in seen)
-    for block in scheduler.kv.pool.blocks if hasattr(scheduler.kv, "pool") else []:
-        assert block.ref_cnt == 0
+    assert all(block.ref_cnt == 0 for block in scheduler.kv.pool.blocks)
 
 
 def test_stats_counts():

@@ -60,6 +60,24 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Unlink the first `n` blocks in one pass (admission takes dozens at a time)."""
+        if n > self._len:
+            raise IndexError(f"popleft_n({n}) from a FreeBlockQueue of {self._len}")
+        head = self._head
+        node = head.next_free
+        out = []
+        for _ in range(n):
+            assert node is not None
+            out.append(node)
+            node.prev_free, node = None, node.next_free
+            out[-1].next_free = None
+        assert node is not None
+        head.next_free = node
+        node.prev_free = head
+        self._len -= n
+        return out
+
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
         assert prev is not None and nxt is not None, f"block {block.block_id} is not queued"
@@ -121,8 +139,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self.free_queue):
             raise ValueError(f"need {n} blocks but only {len(self.free_queue)} are free")
-        popleft = self.free_queue.popleft
-        out = [popleft() for _ in range(n)]
+        out = self.free_queue.popleft_n(n)
         for block in out:
             if block.block_hash is not None:
                 self._evict(block)
@@ -165,6 +182,22 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
         return True
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
+                          token_ids: Sequence[int], block_size: int, start: int, end: int) -> None:
+        """`cache_full_block` for blocks[start:end], block i holding token_ids[i*bs:(i+1)*bs]."""
+        if not self.enable_caching:
+            return
+        cached = self._cached
+        for i in range(start, end):
+            block_hash = block_hashes[i]
+            if block_hash in cached:
+                continue
+            block = blocks[i]
+            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            block.block_hash = block_hash
+            block.token_ids = tuple(token_ids[i * block_size:(i + 1) * block_size])
+            cached[block_hash] = block
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
         """The block cached under `block_hash` if it holds exactly `token_ids`, else None."""

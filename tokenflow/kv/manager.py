@@ -204,9 +204,7 @@ class KVCacheManager:
         hashes, tokens = request.block_hashes, request.all_token_ids
         if len(hashes) < num_full:
             extend_block_hashes(hashes, tokens, bs)
-        blocks = state.blocks
-        for i in range(state.num_cached, num_full):
-            self.pool.cache_full_block(blocks[i], hashes[i], tokens[i * bs : (i + 1) * bs])
+        self.pool.cache_full_blocks(state.blocks, hashes, tokens, bs, state.num_cached, num_full)
         state.num_cached = num_full
 
     def free(self, request: KVRequest) -> None:

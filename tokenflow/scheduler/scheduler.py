@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from tokenflow.config import CacheConfig, SchedulerConfig
-from tokenflow.kv import KVCacheManager, extend_block_hashes
+from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
 from tokenflow.scheduler.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -175,11 +175,14 @@ class Scheduler:
         num_scheduled = plan.num_scheduled
         threshold = self.config.long_prefill_token_threshold
         max_position = self.max_model_len - 1
-        running = self.running
+        running_status = RequestStatus.RUNNING
         budget = plan.budget
-        index = 0
-        while index < len(running) and budget > 0:
-            request = running[index]
+        # Iterate a copy: preemption removes victims from self.running as we go.
+        for request in self.running[:]:
+            if budget <= 0:
+                break
+            if request.status != running_status:
+                continue  # preempted earlier in this step
             num_computed = request.num_computed_tokens
             all_tokens = request.all_token_ids
             num_tokens = len(all_tokens)
@@ -192,16 +195,14 @@ class Scheduler:
             if num_new > max_position - num_computed:
                 num_new = max_position - num_computed
             if num_new <= 0:
-                index += 1
                 continue
             new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 plan.budget = budget
-                new_blocks, index = self._make_room(request, index, num_new, plan)
+                new_blocks = self._make_room(request, num_new, plan)
                 budget = plan.budget
                 if new_blocks is None:
-                    continue  # `request` itself was preempted; `index` is the next one
-            index += 1
+                    continue  # `request` itself was preempted
             req_id = request.request_id
             num_scheduled[req_id] = num_new
             budget -= num_new
@@ -216,20 +217,18 @@ class Scheduler:
                 plan.spec[req_id] = request.spec_token_ids[:num_computed + num_new - num_tokens]
         plan.budget = budget
 
-    def _make_room(self, request: Request, index: int, num_new: int, plan: _StepPlan):
-        """Preempt victims until `request` gets its slots or is itself the victim.
-        Returns (new blocks or None, the request's index in the running list)."""
+    def _make_room(self, request: Request, num_new: int, plan: _StepPlan
+                   ) -> list[KVCacheBlock] | None:
+        """Preempt victims until `request` gets its slots (returns the new blocks) or is
+        itself the victim (returns None)."""
         while True:
-            victim_index = self._victim_index()
-            victim = self.running[victim_index]
-            self._preempt(victim_index, plan)
-            if victim_index < index:
-                index -= 1
+            victim = self.running[self._victim_index()]
+            self._preempt(victim, plan)
             if victim is request:
-                return None, index
+                return None
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
-                return new_blocks, index
+                return new_blocks
 
     def _victim_index(self) -> int:
         if self.policy == "priority":
@@ -238,8 +237,8 @@ class Scheduler:
                        key=lambda i: (running[i].priority, running[i].arrival_time))
         return len(self.running) - 1
 
-    def _preempt(self, victim_index: int, plan: _StepPlan) -> None:
-        victim = self.running.pop(victim_index)
+    def _preempt(self, victim: Request, plan: _StepPlan) -> None:
+        self.running.remove(victim)
         req_id = victim.request_id
         if req_id in plan.num_scheduled:  # scheduled earlier in this step: give it all back
             plan.budget += plan.num_scheduled.pop(req_id)
