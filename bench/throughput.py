@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--probe-batch", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--model-dir", default=None, help="reuse a written benchmark model")
+    p.add_argument("--label", default="", help="results file suffix")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="tokenflow-bench-"))
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     ours = run_tokenflow(model_dir, trace, args)
     total_flops = sum(flops_per_token(len(pr) + i) * (1 if i else len(pr))
                       for pr, n in trace for i in range(n))
-    result = {"trace": args.trace, "num_requests": len(trace), "tokenflow": ours,
+    result = {"trace": args.trace, "num_requests": len(trace), "hf_batch_size": args.hf_batch_size,
+              "tokenflow": ours,
               "matmul_peak_gflops": peak, "model_gflop": total_flops / 1e9,
               "limit_seconds": total_flops / (peak * 1e9)}
     if not args.skip_hf:
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"-> {result['ratio_vs_transformers']:.2f}x")
     print(line)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"throughput-{args.trace}.json").write_text(json.dumps(result, indent=2))
+    name = f"throughput-{args.trace}{'-' + args.label if args.label else ''}.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2))
     return result
 
 

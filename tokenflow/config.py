@@ -30,6 +30,10 @@ class ModelConfig(_Frozen):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CPU threads for the model's matmuls. None: every core this process may use. (Ray sets
+    # OMP_NUM_THREADS to an actor's num_cpus, which would leave a replica single-threaded;
+    # several replicas on one machine should each get their share.)
+    num_threads: int | None = Field(default=None, ge=1)
 
     @property
     def name(self) -> str:
@@ -135,6 +139,8 @@ class AppConfig(_Frozen):
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     api_key: str | None = None
+    # Streams send the first token at once, then at most one chunk per interval (0: each step).
+    stream_interval_s: float = Field(default=0.0, ge=0)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     route_prefix: str = "/"

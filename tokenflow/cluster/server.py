@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,8 +64,12 @@ class LLMServer:
     reports health and load (running, waiting, KV usage) for Serve's autoscaler and router."""
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig,
-                 metrics_interval_s: float = 0.5) -> None:
+                 metrics_interval_s: float = 0.5, stream_interval_s: float = 0.0) -> None:
         config = EngineConfig.model_validate(engine_config)
+        # After the first token, a stream sends at most one batch of deltas per interval:
+        # every item costs a Ray message and an HTTP chunk, which on a small machine take the
+        # CPU the engine needs. 0 sends each step's tokens as soon as they exist.
+        self._stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(config)
         self.metrics = ServerMetrics(self.engine.model_name)
         self._token_text: dict[int, str] = {}
@@ -123,14 +128,19 @@ class LLMServer:
                  for i, (p, tally) in enumerate(zip(processed, tallies, strict=True))]
         try:
             pending = len(tasks)
+            next_send = 0.0
             while pending:
                 batch = [await queue.get()]
+                wait = next_send - time.monotonic()
+                if wait > 0 and pending > sum(item is None for item in batch):
+                    await asyncio.sleep(wait)  # coalesce: more deltas arrive meanwhile
                 while not queue.empty():
                     batch.append(queue.get_nowait())
                 deltas = [d for item in batch if item is not None for d in item]
                 pending -= sum(item is None for item in batch)
                 if deltas:
                     yield deltas
+                    next_send = time.monotonic() + self._stream_interval_s
             yield Finished(sum(t.num_prompt_tokens for t in tallies),
                            sum(t.num_generated for t in tallies),
                            sum(t.num_cached_tokens for t in tallies))

@@ -140,8 +140,7 @@ class AsyncEngine:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
-                for output in self.engine.step():
-                    self._deliver(output.request_id, output)
+                self._deliver_step(self.engine.step())
         except BaseException as exc:  # the loop itself broke: fail every stream
             logger.exception("engine loop died")
             self.error = exc
@@ -159,7 +158,23 @@ class AsyncEngine:
             else:
                 self.engine.abort_request([payload])
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per
+        request (each wake-up costs the engine thread a GIL hand-off)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, output in items:
+        queue_.put_nowait(output)

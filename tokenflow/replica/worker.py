@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -48,6 +49,8 @@ class Worker:
                  device: torch.device | None = None) -> None:
         self.config = config
         self.device = device or resolve_device(config.model.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
         self.model_dir = resolve_model_dir(config.model.model)
         self.arch = ModelArchConfig.from_model_dir(self.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
