@@ -97,11 +97,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="engine.model.num_threads for both runs (default: the config's)")
+    p.add_argument("--stream-interval", type=float, default=None,
+                   help="stream_interval_s of the served app (default: the config's)")
     p.add_argument("--label", default="c32")
     args = p.parse_args(argv)
     loopback_only()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    config = load_app_config(args.config)
+    data = load_app_config(args.config).model_dump()
+    if args.num_threads is not None:
+        data["engine"]["model"]["num_threads"] = args.num_threads
+    if args.stream_interval is not None:
+        data["stream_interval_s"] = args.stream_interval
+    config = load_app_config(data)
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.seed)
     served = asyncio.run(run_served(config, requests, args))
     inproc = asyncio.run(run_inprocess(config, requests, args))
