@@ -450,10 +450,9 @@ def test_server_rejects_bad_input_as_data(server: Any) -> None:
     from tokenflow.cluster.messages import Rejected
 
     params = SamplingParams(max_tokens=4)
-    [event] = _events(server.generate_completion([[]], params, "r-empty"))
+    [event] = _events(server.generate([[]], params, "r-empty"))
     assert isinstance(event, Rejected) and "empty" in event.message
-    [event] = _events(server.generate_completion(["x"], SamplingParams(max_tokens=10**6),
-                                                 "r-long"))
+    [event] = _events(server.generate([[5]], SamplingParams(max_tokens=10**6), "r-long"))
     assert isinstance(event, Rejected) and "context" in event.message
 
 
@@ -467,7 +466,7 @@ def test_dead_engine_fails_health_and_requests(server: Any) -> None:
     try:
         with pytest.raises(EngineDeadError):
             server.check_health()  # Serve replaces a replica whose check_health raises
-        events = _events(server.generate_completion(["hi"], SamplingParams(max_tokens=4), "r-x"))
+        events = _events(server.generate([[5, 6]], SamplingParams(max_tokens=4), "r-x"))
         assert isinstance(events[0], Accepted) and isinstance(events[-1], Finished)
         [delta] = events[1]
         assert delta.finish_reason == "error" and "simulated crash" in delta.error

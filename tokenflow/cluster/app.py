@@ -68,8 +68,9 @@ def bind_app(config: AppConfig) -> serve.Application:
     server = serve.deployment(LLMServer, name="LLMServer", **server_options(config.deployment))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
     engine_args = config.engine.model_dump(mode="json")
+    model = config.engine.model
     return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s),
-                        config.engine.model.name, config.api_key)
+                        model.name, config.api_key, model.tokenizer or model.model)
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

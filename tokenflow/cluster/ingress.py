@@ -1,11 +1,11 @@
 """`OpenAIIngress`: the OpenAI-compatible HTTP front door, a FastAPI app on Ray Serve.
 
 It checks the API key, validates each body against `cluster.protocol` (a bad one is a 400 with
-OpenAI's error JSON, before anything reaches an engine), checks the model name, and forwards the
-request to an `LLMServer` replica through a streaming handle. The replica tokenizes and
-validates against the model (prompt too long, no chat template, ...): its first stream event
-says `Accepted` or `Rejected`, so that a client's mistake is a 400 before any byte of the
-response is sent. Routes read the raw body and validate it after the key check, so a request
+OpenAI's error JSON, before anything reaches an engine), checks the model name, tokenizes (and
+renders chat templates), and forwards token ids to an `LLMServer` replica through a streaming
+handle (DESIGN §1). The replica validates against the model (prompt too long, ids outside the
+vocabulary, ...): its first stream event says `Accepted` or `Rejected`, so that a client's
+mistake is a 400 before any byte of the response is sent. Routes read the raw body and validate it after the key check, so a request
 without a valid key gets a 401 whatever its body.
 
 Leaving a stream early (the client disconnected, or a choice failed) cancels the replica call,
@@ -19,7 +19,6 @@ import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -37,6 +36,7 @@ from tokenflow.cluster.errors import (
     unauthorized,
 )
 from tokenflow.cluster.messages import Accepted, Finished, Rejected
+from tokenflow.cluster.prompts import PromptRenderer
 from tokenflow.cluster.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -59,12 +59,6 @@ install_error_handlers(app)
 
 def _json(model: BaseModel, status_code: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code, media_type="application/json")
-
-
-def _accepted(result: dict[str, Any] | Rejected) -> dict[str, Any]:
-    if isinstance(result, Rejected):
-        raise bad_request(result.message, result.param)
-    return result
 
 
 async def _first_event(stream: DeploymentResponseGenerator) -> Accepted:
@@ -124,11 +118,13 @@ async def _collect(stream: DeploymentResponseGenerator, fmt: Formatter) -> Respo
 # the class is decorated, capturing only the module globals that exist at that moment.
 @serve.ingress(app)
 class OpenAIIngress:
-    """Owns the HTTP surface: auth, request validation, model-name check, and the translation
-    between OpenAI requests/responses and an LLMServer's streams. Holds no model state."""
+    """Owns the HTTP surface: auth, request validation, model-name check, tokenization, and the
+    translation between OpenAI requests/responses and an LLMServer's streams. Holds the
+    tokenizer, no model weights."""
 
     def __init__(self, server: DeploymentHandle, model_name: str,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, tokenizer: str | None = None) -> None:
+        self._prompts = PromptRenderer(tokenizer or model_name)
         self._server = server
         self._streaming = server.options(stream=True)
         self._model = model_name
@@ -148,10 +144,8 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        if self._max_model_len is None:
-            info = await self._server.model_info.remote()
-            self._max_model_len = info["max_model_len"]
-        card = ModelCard(id=self._model, root=self._model, max_model_len=self._max_model_len)
+        card = ModelCard(id=self._model, root=self._model,
+                         max_model_len=await self._get_max_model_len())
         return _json(ModelList(data=[card]))
 
     @app.post("/v1/completions")
@@ -163,8 +157,9 @@ class OpenAIIngress:
         params = req.to_sampling_params(default_max_tokens=None)
         fmt = CompletionFormatter(self._model, len(req.prompts) * req.n, req.include_usage,
                                   req.logprobs is not None)
-        stream = self._streaming.generate_completion.remote(
-            req.prompts, params, fmt.id, req.priority, received)
+        prompt_ids = [self._prompts.encode(p) for p in req.prompts]
+        stream = self._streaming.generate.remote(prompt_ids, params, fmt.id, req.priority,
+                                                 received)
         return await self._respond(stream, fmt, req.stream)
 
     @app.post("/v1/chat/completions")
@@ -175,9 +170,10 @@ class OpenAIIngress:
         self._check_model(req.model)
         params = req.to_sampling_params(default_max_tokens=None)
         fmt = ChatFormatter(self._model, req.n, req.include_usage, req.logprobs)
-        stream = self._streaming.generate_chat.remote(
-            req.conversation(), params, fmt.id, req.priority, received,
-            req.add_generation_prompt, req.chat_template_kwargs)
+        prompt_ids = self._prompts.render_chat(req.conversation(), req.add_generation_prompt,
+                                               req.chat_template_kwargs)
+        stream = self._streaming.generate.remote([prompt_ids], params, fmt.id, req.priority,
+                                                 received)
         return await self._respond(stream, fmt, req.stream)
 
     @app.post("/tokenize")
@@ -187,20 +183,25 @@ class OpenAIIngress:
         self._check_model(req.model)
         messages = (None if req.messages is None
                     else [{"role": m.role, "content": m.text()} for m in req.messages])
-        result = await self._server.tokenize.remote(req.prompt, messages,
-                                                    req.add_special_tokens,
-                                                    req.add_generation_prompt)
-        return _json(TokenizeResponse(**_accepted(result)))
+        ids = self._prompts.tokenize(req.prompt, messages, req.add_special_tokens,
+                                     req.add_generation_prompt)
+        return _json(TokenizeResponse(tokens=ids, count=len(ids),
+                                      max_model_len=await self._get_max_model_len()))
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         self._authorize(request)
         req = parse_request(DetokenizeRequest, await request.body())
         self._check_model(req.model)
-        result = await self._server.detokenize.remote(req.tokens)
-        return _json(DetokenizeResponse(**_accepted(result)))
+        return _json(DetokenizeResponse(prompt=self._prompts.detokenize(req.tokens)))
 
     # --------------------------------------------------------------------------- helpers
+    async def _get_max_model_len(self) -> int:
+        if self._max_model_len is None:
+            info = await self._server.model_info.remote()
+            self._max_model_len = info["max_model_len"]
+        return self._max_model_len
+
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
             return

@@ -1,8 +1,8 @@
 """`LLMServer`: one Ray Serve replica = one `AsyncEngine`.
 
-The replica owns the tokenizer (through its engine), so tokenization, chat templates and input
-validation happen here; the ingress only checks the request's shape. Generation methods are
-async generators meant for a streaming handle (`handle.options(stream=True)`); their events are
+The ingress tokenizes (DESIGN §1); the replica receives token ids, validates them against the
+model (length, vocabulary) and detokenizes the output through its engine. `generate` is an
+async generator meant for a streaming handle (`handle.options(stream=True)`); their events are
 described in `cluster.messages`. Cancelling a stream (a client that went away) cancels the
 per-prompt tasks, which close their engine streams, which aborts the requests and frees their
 KV blocks.
@@ -34,7 +34,6 @@ from tokenflow.scheduler import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 
 
 @dataclass
@@ -82,34 +81,14 @@ class LLMServer:
         self._poller = loop.create_task(self._poll_stats(metrics_interval_s)) if loop else None
 
     # ------------------------------------------------------------------------ generation
-    async def generate_completion(self, prompts: list[Prompt], params: SamplingParams,
-                                  request_id: str, priority: int = 0,
-                                  received_time: float | None = None
-                                  ) -> AsyncIterator[StreamEvent]:
-        """Stream one completion request (a batch of prompts, n choices each)."""
+    async def generate(self, prompts: list[list[int]], params: SamplingParams,
+                       request_id: str, priority: int = 0, received_time: float | None = None
+                       ) -> AsyncIterator[StreamEvent]:
+        """Stream one request: a batch of tokenized prompts, n choices each. The first event
+        is `Accepted`, or `Rejected` when the engine refuses the input (too long, ...)."""
         try:
             processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority)
                          for i, p in enumerate(prompts)]
-        except ValueError as exc:
-            yield Rejected(str(exc))
-            return
-        async for event in self._stream(request_id, processed, received_time):
-            yield event
-
-    async def generate_chat(self, messages: list[dict[str, str]], params: SamplingParams,
-                            request_id: str, priority: int = 0,
-                            received_time: float | None = None,
-                            add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict[str, Any] | None = None
-                            ) -> AsyncIterator[StreamEvent]:
-        """Stream one chat request: render the chat template, then generate."""
-        rendered = self._render_chat(messages, add_generation_prompt, chat_template_kwargs)
-        if isinstance(rendered, Rejected):
-            yield rendered
-            return
-        try:
-            processed = [self.engine.process_inputs(rendered, params, f"{request_id}-0",
-                                                    priority)]
         except ValueError as exc:
             yield Rejected(str(exc))
             return
@@ -195,40 +174,7 @@ class LLMServer:
             m.finished_time, tally.num_prompt_tokens, tally.num_generated,
             max(tally.tokens_per_seq.values(), default=0)))
 
-    # ------------------------------------------------------------------------ tokenizer
-    def _render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                     chat_template_kwargs: dict[str, Any] | None) -> list[int] | Rejected:
-        """The conversation's prompt token ids, or why it cannot be rendered."""
-        tokenizer = self.engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                 **(chat_template_kwargs or {}))
-        except ValueError as exc:
-            return Rejected(str(exc), "messages")
-        except Exception as exc:  # a template that raises (jinja's raise_exception) on input
-            return Rejected(f"the chat template failed on these messages: {exc}", "messages")
-        # Templates emit their own BOS: encoding with special tokens would double it.
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    def tokenize(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
-                 add_special_tokens: bool = True, add_generation_prompt: bool = True
-                 ) -> dict[str, Any] | Rejected:
-        """Token ids of a text, or of a conversation through the chat template."""
-        if messages is not None:
-            ids = self._render_chat(messages, add_generation_prompt, None)
-            if isinstance(ids, Rejected):
-                return ids
-        else:
-            ids = self.engine.tokenizer.encode(prompt or "", add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
-
-    def detokenize(self, tokens: list[int]) -> dict[str, Any] | Rejected:
-        """The text of token ids; ids outside the vocabulary are the caller's mistake."""
-        vocab = self.engine.tokenizer.vocab_size
-        if any(t >= vocab for t in tokens):
-            return Rejected(f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": self.engine.tokenizer.decode(tokens)}
-
+    # ------------------------------------------------------------------------- model
     def model_info(self) -> dict[str, Any]:
         return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
