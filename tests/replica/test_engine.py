@@ -108,6 +108,16 @@ def test_preemption_really_happens(checkpoint, reference):
     assert [o.outputs[0].token_ids for o in outputs] == [reference[i][0] for i in range(8)]
 
 
+def test_identical_prompts_in_one_step_share_blocks_exactly(checkpoint, reference):
+    path, _ = checkpoint
+    llm = LLM(str(path), max_model_len=256, num_blocks=512, max_num_batched_tokens=4096)
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    prompt = make_prompts()[3]  # 60 tokens: 3 full blocks computed by its twin this step
+    outputs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert outputs[1].num_cached_tokens == 48
+    assert [o.outputs[0].token_ids for o in outputs] == [reference[3][0]] * 2
+
+
 def test_seeded_request_same_alone_and_in_busy_batch(checkpoint):
     path, _ = checkpoint
     llm = LLM(str(path), max_model_len=256, max_num_batched_tokens=48, num_blocks=512)
