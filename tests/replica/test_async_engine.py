@@ -152,3 +152,24 @@ def test_cli_generate_reports_missing_model():
         [sys.executable, "-m", "tokenflow.cli", "generate", "Hi", "--model", "/no/such/dir"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "never downloads" in result.stderr
+
+
+async def test_failed_step_errors_its_requests_and_the_loop_goes_on(engine, monkeypatch):
+    executor = engine.engine.core.executor
+    original = executor.execute_model
+    calls = {"n": 0}
+
+    def fail_once(sched_out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return original(sched_out)
+
+    monkeypatch.setattr(executor, "execute_model", fail_once)
+    outputs = [delta async for delta in engine.generate("this step will fail", GREEDY)]
+    assert outputs[-1].outputs[0].finish_reason == "error"
+    assert "device fell over" in outputs[-1].error
+    assert engine.is_running
+    _, ids, finish = await collect(engine, "the next one works")
+    assert finish == "length" and len(ids) == 12
+    await wait_all_free(engine)
