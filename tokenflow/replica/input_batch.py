@@ -117,8 +117,9 @@ class InputBatch:
         num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         num_known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
         query_lens = np.fromiter(out.num_scheduled_tokens.values(), np.int64, len(states))
-        num_drafts = np.fromiter((len(out.scheduled_spec_decode_tokens.get(r, ()))
-                                  for r in req_ids), np.int64, len(states))
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = (np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, len(states))
+                      if spec else np.zeros(len(states), dtype=np.int64))
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         token_rows = np.repeat(rows, query_lens)
