@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from tokenflow.replica.llm import LLM
-from tokenflow.replica.tiny_model import tiny_model_dir
+from tokenflow.replica.model_source import tiny_model_dir
 from tokenflow.scheduler import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"

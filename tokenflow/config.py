@@ -6,11 +6,14 @@ worrying that another changes it underneath.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MODEL = "tokenflow-tiny"
@@ -62,7 +65,6 @@ class SchedulerConfig(_Frozen):
     policy: str = "fcfs"
     # "module:Class" of another scheduler with the same interface.
     scheduler_cls: str | None = None
-    num_speculative_tokens: int = Field(default=0, ge=0)
 
     @field_validator("policy")
     @classmethod
@@ -78,17 +80,7 @@ class ParallelConfig(_Frozen):
     """How a replica's layers are split over pipeline stages."""
 
     pipeline_parallel_size: int = Field(default=1, ge=1)
-    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     executor: Literal["auto", "inproc", "ray"] = "auto"
-
-
-class KVTransferConfig(_Frozen):
-    """Disaggregated prefill/decode: which connector, and this replica's role."""
-
-    kv_connector: str | None = None
-    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
-    transport: Literal["ray", "torch"] = "ray"
-    load_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class EngineConfig(_Frozen):
@@ -98,7 +90,25 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
-    kv_transfer: KVTransferConfig = KVTransferConfig()
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:
+    """The engine's one context limit: the configured value (default: the model's), capped by
+    what the KV cache can ever hold and, without chunked prefill, by one step's token budget
+    (a preempted request recomputes all its tokens in one step)."""
+    sched = config.scheduler
+    wanted = sched.max_model_len
+    if wanted is not None and wanted > model_max_len:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's "
+                         f"max_position_embeddings={model_max_len}")
+    limit = min(wanted or model_max_len, num_blocks * config.cache.block_size)
+    if not sched.enable_chunked_prefill:
+        limit = min(limit, sched.max_num_batched_tokens)
+    if wanted is not None and limit < wanted:
+        logger.warning("max_model_len lowered from %d to %d: the KV cache of %d blocks (or, "
+                       "without chunked prefill, one step's budget) cannot hold more",
+                       wanted, limit, num_blocks)
+    return limit
 
 
 class AutoscalingConfig(_Frozen):

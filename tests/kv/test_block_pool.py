@@ -13,6 +13,11 @@ def ids(blocks: object) -> list[int]:
     return [b.block_id for b in blocks]  # type: ignore[attr-defined]
 
 
+def cache(pool: BlockPool, block: KVCacheBlock, block_hash: int, tokens: list[int]) -> bool:
+    """Register one full block; True if it was registered."""
+    return pool.cache_full_blocks([block], [block_hash], tokens, len(tokens), 0, 1) == 1
+
+
 def test_free_queue_basic_operations() -> None:
     blocks = [KVCacheBlock(i) for i in range(5)]
     q = FreeBlockQueue(blocks[:3])
@@ -48,14 +53,29 @@ def test_free_queue_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
         assert ids(q) == model and len(q) == len(model)
 
 
-def test_oldest_freed_block_is_reused_first() -> None:
+def test_oldest_freed_cached_block_is_reused_first() -> None:
     pool = BlockPool(4, enable_caching=True)
     b = pool.get_new_blocks(4)
     assert pool.num_free_blocks == 0 and pool.usage == 1.0
+    cache(pool, b[2], 2, [2])
+    cache(pool, b[0], 0, [0])
     pool.free_blocks([b[2]])
     pool.free_blocks([b[0]])
     assert ids(pool.get_new_blocks(1)) == [2]
     assert ids(pool.get_new_blocks(1)) == [0]
+    pool.check_integrity()
+
+
+def test_freed_blocks_without_hash_are_reused_before_cached_ones() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    b = pool.get_new_blocks(4)
+    cache(pool, b[0], 10, [0])
+    cache(pool, b[1], 11, [1])
+    pool.free_blocks([b[0], b[2]])  # b2 has no hash: it can never be hit again
+    pool.free_blocks([b[1], b[3]])
+    assert ids(pool.free_queue) == [3, 2, 0, 1]
+    assert ids(pool.get_new_blocks(2)) == [3, 2]
+    assert pool.get_cached_block(10, [0]) is b[0] and pool.get_cached_block(11, [1]) is b[1]
     pool.check_integrity()
 
 
@@ -82,11 +102,12 @@ def test_touch_revives_a_free_block_from_the_middle() -> None:
 def test_hash_survives_free_until_eviction() -> None:
     pool = BlockPool(2, enable_caching=True)
     b0, b1 = pool.get_new_blocks(2)
-    assert pool.cache_full_block(b0, 111, [1, 2])
+    assert cache(pool, b0, 111, [1, 2])
     pool.free_blocks([b0, b1])
     assert pool.get_cached_block(111, [1, 2]) is b0
     pool.check_integrity()
-    assert pool.get_new_blocks(1) == [b0]  # b0 was freed first: evicted now
+    assert pool.get_new_blocks(1) == [b1]  # no hash: it is reused first
+    assert pool.get_new_blocks(1) == [b0]  # then the cached block is evicted
     assert b0.block_hash is None and b0.token_ids is None
     assert pool.get_cached_block(111, [1, 2]) is None
     pool.check_integrity()
@@ -95,7 +116,7 @@ def test_hash_survives_free_until_eviction() -> None:
 def test_hash_collision_with_other_tokens_is_a_miss() -> None:
     pool = BlockPool(2, enable_caching=True)
     (b0,) = pool.get_new_blocks(1)
-    pool.cache_full_block(b0, 42, (1, 2))
+    cache(pool, b0, 42, [1, 2])
     assert pool.get_cached_block(42, [1, 2]) is b0
     assert pool.get_cached_block(42, [1, 3]) is None
     assert pool.get_cached_block(43, [1, 2]) is None
@@ -104,8 +125,8 @@ def test_hash_collision_with_other_tokens_is_a_miss() -> None:
 def test_existing_mapping_wins_over_a_duplicate() -> None:
     pool = BlockPool(2, enable_caching=True)
     a, b = pool.get_new_blocks(2)
-    assert pool.cache_full_block(a, 5, [1])
-    assert not pool.cache_full_block(b, 5, [1])
+    assert cache(pool, a, 5, [1])
+    assert not cache(pool, b, 5, [1])
     assert b.block_hash is None and pool.get_cached_block(5, [1]) is a
     pool.check_integrity()
 
@@ -124,7 +145,7 @@ def test_not_enough_free_blocks_raises_and_changes_nothing() -> None:
 def test_reset_prefix_cache_only_when_nothing_is_held() -> None:
     pool = BlockPool(2, enable_caching=True)
     (b,) = pool.get_new_blocks(1)
-    pool.cache_full_block(b, 9, [0])
+    cache(pool, b, 9, [0])
     assert not pool.reset_prefix_cache()
     assert pool.get_cached_block(9, [0]) is b
     pool.free_blocks([b])
@@ -136,7 +157,7 @@ def test_reset_prefix_cache_only_when_nothing_is_held() -> None:
 def test_caching_disabled_never_registers() -> None:
     pool = BlockPool(2, enable_caching=False)
     (b,) = pool.get_new_blocks(1)
-    assert not pool.cache_full_block(b, 1, [1])
+    assert not cache(pool, b, 1, [1])
     assert pool.get_cached_block(1, [1]) is None and b.block_hash is None
 
 

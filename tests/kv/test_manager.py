@@ -42,6 +42,7 @@ def admit(mgr: KVCacheManager, req: FakeReq) -> int:
     hits, n_hit = mgr.get_computed_blocks(req)
     out = mgr.allocate_slots(req, req.num_tokens - n_hit, n_hit, hits)
     assert out is not None
+    mgr.record_prefix_lookup(req.num_tokens, n_hit)
     req.num_computed_tokens = req.num_tokens
     return n_hit
 

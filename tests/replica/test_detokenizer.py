@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tokenflow.replica.detokenizer import IncrementalDetokenizer
-from tokenflow.replica.tiny_model import tiny_model_dir
+from tokenflow.replica.model_source import tiny_model_dir
 from tokenflow.replica.tokenizer import Tokenizer
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.checkpoints import write_checkpoint
 from tokenflow.replica.llm import LLM
-from tokenflow.replica.tiny_model import tiny_model_dir
+from tokenflow.replica.model_source import tiny_model_dir
 from tokenflow.scheduler import SamplingParams
 
 NUM_NEW = 10

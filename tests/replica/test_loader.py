@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import write_checkpoint
-from tokenflow.replica.loader import ModelArchConfig, RopeScaling, load_model, resolve_dtype
+from tokenflow.replica.loader import load_model, resolve_dtype
 from tokenflow.replica.models import CausalLM
+from tokenflow.replica.models.config import ModelArchConfig, RopeScaling
 
 CPU = torch.device("cpu")
 

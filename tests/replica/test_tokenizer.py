@@ -10,12 +10,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from tokenflow.replica.tiny_model import (
-    TINY_MODEL_NAME,
-    build_tiny_assets,
-    resolve_model_dir,
-    tiny_model_dir,
-)
+from tokenflow.replica.model_source import TINY_MODEL_NAME, resolve_model, tiny_model_dir
+from tokenflow.replica.tiny_model import build_tiny_assets
 from tokenflow.replica.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -226,8 +222,10 @@ def test_tiny_config_matches_tokenizer(tok: Tokenizer) -> None:
     assert set(config["eos_token_id"]) == tok.eos_token_ids
 
 
-def test_resolve_model_dir(tmp_path: Path) -> None:
-    assert resolve_model_dir(TINY_MODEL_NAME) == tiny_model_dir()
-    assert resolve_model_dir(str(tmp_path)) == tmp_path.resolve()
+def test_resolve_model(tmp_path: Path) -> None:
+    tiny = resolve_model(TINY_MODEL_NAME)
+    assert tiny.path == tiny_model_dir() and tiny.auto_load_format == "dummy"
+    local = resolve_model(str(tmp_path))
+    assert local.path == tmp_path.resolve() and local.auto_load_format == "safetensors"
     with pytest.raises(FileNotFoundError, match="never downloads"):
-        resolve_model_dir("meta-llama/Llama-3.1-8B-Instruct")
+        resolve_model("meta-llama/Llama-3.1-8B-Instruct")

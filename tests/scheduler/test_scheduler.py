@@ -154,7 +154,7 @@ def test_tokens_after_a_stop_are_trimmed():
     scheduler.update_draft_token_ids({"req0": [fake_token("req0", 6 + i) for i in range(4)]})
     out, outputs = step(scheduler, runner)
     assert out.scheduled_spec_decode_tokens["req0"]
-    (o,) = outputs[0].outputs
+    (o,) = outputs.outputs
     assert o.finish_reason == "stop"
     assert o.new_token_ids == [fake_token("req0", 6), stop]
     assert r.output_token_ids == [fake_token("req0", 5), fake_token("req0", 6), stop]
@@ -359,9 +359,9 @@ def test_spec_tokens_scheduled_only_when_decoding_and_rolled_back():
     out, outputs = step(scheduler, runner)
     assert out.num_scheduled_tokens["req0"] == 4
     assert out.scheduled_spec_decode_tokens["req0"] == [*good, 7777]
-    assert outputs[0].outputs[0].new_token_ids == [*good, fake_token("req0", 23)]
+    assert outputs.outputs[0].new_token_ids == [*good, fake_token("req0", 23)]
     assert r.num_computed_tokens == r.num_tokens - 1  # the rejected draft was rolled back
-    stats = outputs[0].scheduler_stats
+    stats = outputs.scheduler_stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 2)
 
 
@@ -371,13 +371,13 @@ def test_scheduler_cls_is_imported_with_one_warning():
                           scheduler_cls="tests.scheduler.utils:CustomScheduler")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        scheduler = build_scheduler(cfg, CacheConfig(), 100)
+        scheduler = build_scheduler(cfg, CacheConfig(), 100, 128)
     assert type(scheduler).__name__ == "CustomScheduler"
     assert isinstance(scheduler, Scheduler)
     assert len([w for w in caught if "not stable" in str(w.message)]) == 1
     with pytest.raises(ValueError, match="module:Class"):
         build_scheduler(SchedulerConfig(max_model_len=128, scheduler_cls="nocolon"),
-                        CacheConfig(), 100)
+                        CacheConfig(), 100, 128)
 
 
 def test_unknown_policy_names_valid_ones():
@@ -409,7 +409,7 @@ def test_stats_and_no_leaks_after_full_run():
 def test_stats_counts():
     scheduler, runner, _ = _fill_cache("fcfs", None)
     out, outputs = step(scheduler, runner)
-    stats = outputs[0].scheduler_stats
+    stats = outputs.scheduler_stats
     assert stats.num_preemptions == 1
     assert stats.num_running_reqs == 2 and stats.num_waiting_reqs == 1
     assert stats.kv_cache_usage == pytest.approx(1.0)
@@ -433,5 +433,5 @@ def test_partial_prefill_gets_no_output():
     scheduler.add_request(r)
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, ModelRunnerOutput(["req0"], [[]]))
-    assert outputs[0].outputs == []
+    assert outputs.outputs == []
     assert r.num_computed_tokens == 16

@@ -68,11 +68,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.total_num_scheduled_tokens <= self.kwargs["max_num_batched_tokens"]
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert len(scheduler.running) <= self.kwargs["max_num_seqs"]
-        for outputs in scheduler.update_from_output(out, self.runner.execute_model(out)).values():
-            for o in outputs.outputs:
-                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.finish[o.request_id] = o.finish_reason
+        for o in scheduler.update_from_output(out, self.runner.execute_model(out)).outputs:
+            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                self.finish[o.request_id] = o.finish_reason
 
     @invariant()
     def cache_is_consistent(self):

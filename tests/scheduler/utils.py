@@ -12,7 +12,7 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
-from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from tokenflow.scheduler import (
     ModelRunnerOutput,
     Request,
@@ -50,7 +50,10 @@ def create_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy,
         max_model_len=max_model_len)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(sched, cache, num_blocks)
+    # The engine's one context limit, resolved as the executor resolves it.
+    limit = resolve_max_model_len(EngineConfig(scheduler=sched, cache=cache), max_model_len,
+                                  num_blocks)
+    return Scheduler(sched, cache, num_blocks, limit)
 
 
 def create_requests(
@@ -151,14 +154,13 @@ def run_until_done(scheduler: Scheduler, runner: FakeRunner | None = None, *,
             return results
         out = scheduler.schedule()
         runner_out = runner.execute_model(out)
-        client_outputs = scheduler.update_from_output(out, runner_out)
+        outputs = scheduler.update_from_output(out, runner_out)
         if on_step is not None:
             on_step(scheduler, out)
-        for outputs in client_outputs.values():
-            for o in outputs.outputs:
-                entry = results.setdefault(o.request_id, {"tokens": [], "finish_reason": None})
-                entry["tokens"].extend(o.new_token_ids)
-                if o.finish_reason is not None:
-                    entry["finish_reason"] = o.finish_reason
-                    entry["stop_reason"] = o.stop_reason
+        for o in outputs.outputs:
+            entry = results.setdefault(o.request_id, {"tokens": [], "finish_reason": None})
+            entry["tokens"].extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                entry["finish_reason"] = o.finish_reason
+                entry["stop_reason"] = o.stop_reason
     raise AssertionError(f"not finished after {max_steps} steps")

@@ -9,15 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokenflow.cluster.errors import bad_request
-from tokenflow.replica.tiny_model import resolve_model_dir
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.model_source import resolve_model
 
 
 class PromptRenderer:
     """Owns the ingress's tokenizer; every user mistake it finds is a 400 (`OpenAIError`)."""
 
     def __init__(self, tokenizer_path: str) -> None:
-        self.tokenizer = Tokenizer.from_dir(resolve_model_dir(tokenizer_path))
+        self.tokenizer = resolve_model(tokenizer_path).tokenizer()
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt: text is encoded (with BOS); token ids pass through."""

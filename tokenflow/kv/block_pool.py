@@ -100,6 +100,18 @@ class FreeBlockQueue:
         for block in blocks:
             self.append(block)
 
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put `blocks` at the head, in order: blocks[0] becomes the next one popped."""
+        head = self._head
+        for block in reversed(blocks):
+            assert block.prev_free is None, f"block {block.block_id} is already queued"
+            first = head.next_free
+            assert first is not None
+            block.prev_free, block.next_free = head, first
+            first.prev_free = block
+            head.next_free = block
+        self._len += len(blocks)
+
 
 class BlockPool:
     """Owns every KV block: reference counts, the LRU free queue and the prefix-cache map.
@@ -160,35 +172,33 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; those reaching 0 join the free queue tail in order."""
+        """Drop one reference on each block. Those reaching 0 join the free queue: a block
+        without a hash (it can never be hit again) at the head, to be reused first; a cached
+        block at the tail, in the given order, so it survives as long as possible."""
+        uncached: list[KVCacheBlock] = []
         for block in blocks_in_eviction_order:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed more often than held"
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
-
-    def cache_full_block(
-        self, block: KVCacheBlock, block_hash: int, token_ids: Sequence[int]
-    ) -> bool:
-        """Register a full block under `block_hash`; False when not registered.
-
-        An existing entry for the hash wins (an identical block of another request, or a
-        colliding one): the caller's block stays private, so nobody's KV is replaced under them.
-        """
-        if not self.enable_caching or block_hash in self._cached:
-            return False
-        assert block.block_hash is None, f"block {block.block_id} is already cached"
-        block.block_hash = block_hash
-        block.token_ids = tuple(token_ids)
-        self._cached[block_hash] = block
-        return True
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    self.free_queue.append(block)
+        if uncached:
+            self.free_queue.prepend_n(uncached)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
-                          token_ids: Sequence[int], block_size: int, start: int, end: int) -> None:
-        """`cache_full_block` for blocks[start:end], block i holding token_ids[i*bs:(i+1)*bs]."""
+                          token_ids: Sequence[int], block_size: int, start: int, end: int) -> int:
+        """Register blocks[start:end] in the prefix cache, block i holding
+        token_ids[i*bs:(i+1)*bs] under block_hashes[i]; returns how many were registered.
+
+        An existing entry for a hash wins (an identical block of another request, or a
+        colliding one): the caller's block stays private, so nobody's KV is replaced under them.
+        """
         if not self.enable_caching:
-            return
+            return 0
         cached = self._cached
+        registered = 0
         for i in range(start, end):
             block_hash = block_hashes[i]
             if block_hash in cached:
@@ -198,6 +208,8 @@ class BlockPool:
             block.block_hash = block_hash
             block.token_ids = tuple(token_ids[i * block_size:(i + 1) * block_size])
             cached[block_hash] = block
+            registered += 1
+        return registered
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
         """The block cached under `block_hash` if it holds exactly `token_ids`, else None."""

@@ -82,7 +82,8 @@ class KVCacheManager:
         """Longest chain of cached blocks matching the request's prefix, and its token count.
 
         Stops short of the last prompt token (the model must compute at least one token to
-        produce logits). Takes no references: `allocate_slots` does, with these blocks.
+        produce logits). Takes no references: `allocate_slots` does, with these blocks. Counts
+        nothing: the caller records the lookup with `record_prefix_lookup` once it admits.
         """
         if not self.enable_caching:
             return [], 0
@@ -96,10 +97,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * bs
-        self.prefix_cache_queries += request.num_tokens
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a failed admission attempt is not a query)."""
+        if not self.enable_caching:
+            return
+        self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     def allocate_slots(
         self,

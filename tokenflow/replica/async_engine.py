@@ -75,8 +75,7 @@ class AsyncEngine:
     @property
     def kv_cache(self) -> tuple[int, int]:
         """(free blocks, total blocks) of the KV cache now."""
-        kv = self.engine.core.scheduler.kv
-        return kv.num_free_blocks, kv.num_blocks
+        return self.engine.kv_cache_blocks()
 
     @property
     def is_running(self) -> bool:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tokenflow.config import EngineConfig
+from tokenflow.config import EngineConfig, resolve_max_model_len
 from tokenflow.replica.worker import Worker
-from tokenflow.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 class InProcExecutor:
@@ -15,9 +15,10 @@ class InProcExecutor:
             raise ValueError("InProcExecutor runs one stage; use the Ray executor for pp > 1")
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks_available()
-        self.max_model_len = self.worker.max_model_len
-        self.arch = self.worker.arch
-        self.worker.init_cache(self.num_blocks)
+        self.max_model_len = resolve_max_model_len(
+            config, self.worker.arch.max_position_embeddings, self.num_blocks)
+        self.vocab_size = self.worker.arch.vocab_size
+        self.worker.init_cache(self.num_blocks, self.max_model_len)
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         out = self.worker.execute_model(sched_out)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenflow.scheduler.output import SchedulerOutput
+from tokenflow.scheduler import SchedulerOutput
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 

@@ -56,13 +56,14 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        ids = []
-        for prompt, p in zip(prompts, params_list, strict=True):
-            request_id = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
-        return self._run(ids, use_tqdm)
+        # All or nothing: every prompt is validated before any reaches the engine, so a bad
+        # one leaves nothing queued behind for the next call.
+        processed = [self.engine.process_inputs(str(self._counter + i), prompt, p)
+                     for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))]
+        self._counter += len(processed)
+        for request in processed:
+            self.engine.add_processed(request)
+        return self._run([r.request_id for r in processed], use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         merged: dict[str, RequestOutput] = {}

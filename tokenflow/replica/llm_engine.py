@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from tokenflow.config import EngineConfig
 from tokenflow.replica.engine import EngineCore
+from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
-from tokenflow.replica.tiny_model import resolve_model_dir
-from tokenflow.replica.tokenizer import Tokenizer
 from tokenflow.scheduler import Request, RequestStatus, SamplingParams, SchedulerStats
 
 
@@ -35,11 +34,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config)
-        tokenizer_dir = resolve_model_dir(config.model.tokenizer or config.model.model)
-        self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        self.tokenizer = resolve_model(config.model.tokenizer or config.model.model).tokenizer()
         self.model_name = config.model.name
         self.max_model_len = self.core.max_model_len
-        self.vocab_size = self.core.executor.arch.vocab_size
+        self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats = SchedulerStats()
         # Counters summed over every step since start (gauges are last_stats's).
@@ -49,7 +47,10 @@ class LLMEngine:
     def process_inputs(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None, priority: int = 0,
                        kv_transfer_params: dict | None = None) -> ProcessedRequest:
-        """Tokenize and validate; raises ValueError with a message a client can read."""
+        """Tokenize and validate; raises ValueError with a message a client can read.
+
+        The one place a prompt's length is checked against `max_model_len` and `max_tokens`
+        is resolved (None: whatever room the context leaves)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -81,12 +82,13 @@ class LLMEngine:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but the model's context "
-                             f"is {self.max_model_len} tokens (max_model_len)")
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but this server's context "
+                             f"limit is max_model_len={self.max_model_len} tokens, and at least "
+                             "one must be left to generate")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceed "
-                f"the model's context of {self.max_model_len} tokens")
+                f"this server's context limit max_model_len={self.max_model_len}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
@@ -121,8 +123,12 @@ class LLMEngine:
             self._add_to_totals(core_out.scheduler_stats)
         outputs, to_finish = self.output_processor.process(core_out.outputs)
         if to_finish:  # stop strings: free those sequences now, not after max_tokens
-            self.core.scheduler.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
+            self.core.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def kv_cache_blocks(self) -> tuple[int, int]:
+        """(free blocks, total blocks) of the KV cache now."""
+        return self.core.kv_cache_blocks()
 
     def _add_to_totals(self, stats: SchedulerStats) -> None:
         totals = self.totals

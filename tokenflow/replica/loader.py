@@ -1,4 +1,4 @@
-"""Model architecture config and weight loading: `config.json` + `*.safetensors` -> `CausalLM`.
+"""Weight loading: a `ModelSource` (config and checkpoint tensors) -> `CausalLM`.
 
 Checkpoints use Hugging Face tensor names. The loader maps each parameter of the model it built
 back to the checkpoint tensors it comes from (q/k/v rows of the fused `qkv_proj`, gate/up rows
@@ -9,20 +9,16 @@ the model needs but the checkpoint lacks is an error that names it.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 
 from tokenflow.replica.attention import select_backend
+from tokenflow.replica.model_source import ModelSource, TensorSource, resolve_model
+from tokenflow.replica.models import CausalLM
+from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.models.registry import get_model_class
-
-if TYPE_CHECKING:  # the models import this module's config type, so no runtime import back
-    from tokenflow.replica.models import CausalLM
 
 _DTYPES = {
     "float32": torch.float32,
@@ -31,106 +27,8 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-# Older configs carry only model_type, not architectures.
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 # Fused parameter -> the checkpoint tensors stacked along dim 0, in order.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary frequency scaling: `linear` (divide by factor) or Llama 3's `llama3` bands."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    """The shape of a decoder-only model, parsed once from an HF `config.json`."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # bias on the q/k/v projections
-    o_proj_bias: bool
-    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
-    dtype: str | None  # the checkpoint's dtype as config.json states it
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
-        arch = (cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type", ""), "")])[0]
-        if not arch:
-            raise ValueError("config.json names no architecture (no 'architectures' key)")
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=true is not supported")
-        heads = int(cfg["num_attention_heads"])
-        theta, scaling = _parse_rope(cfg)
-        eos = cfg.get("eos_token_id")
-        bias = bool(cfg.get("attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"  # Qwen2 always has q/k/v bias and no o_proj bias
-        return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or bias,
-            o_proj_bias=bias and not is_qwen2,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-        )
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ModelArchConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        return cls.from_hf_config(json.loads(path.read_text()))
-
-
-def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    # transformers 5 writes `rope_parameters` (theta inside); 4.x `rope_theta` + `rope_scaling`.
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
-    fields = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    extra = {k: params[k] for k in fields if k in params}
-    return theta, RopeScaling(rope_type=rope_type, factor=float(params["factor"]), **extra)
 
 
 def _parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -156,7 +54,7 @@ def resolve_dtype(
 
 
 def load_model(
-    model_dir: str | Path,
+    model: ModelSource | str | Path,
     *,
     dtype: torch.dtype,
     device: torch.device,
@@ -167,7 +65,10 @@ def load_model(
     """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; valid: auto, safetensors, dummy")
-    arch = ModelArchConfig.from_model_dir(model_dir)
+    source = model if isinstance(model, ModelSource) else resolve_model(str(model))
+    if load_format == "auto":
+        load_format = source.auto_load_format
+    arch = source.arch_config()
     model_cls = get_model_class(arch.architecture)
     device = torch.device(device)
     # Build on the meta device so no memory is touched before the real weights arrive.
@@ -178,7 +79,7 @@ def load_model(
     if load_format == "dummy":
         _fill(needed, _dummy_tensors(needed, seed))
     else:
-        _fill(needed, _safetensors(Path(model_dir), set(needed)))
+        _fill(needed, source.tensors(set(needed)))
     # Inference only: no autograd bookkeeping even if a caller forgets inference_mode.
     return model.eval().requires_grad_(False)
 
@@ -219,9 +120,6 @@ def _sources(
         start += rows
 
 
-TensorSource = Iterator[tuple[str, torch.Tensor]]  # (checkpoint name, tensor), one at a time
-
-
 def _fill(needed: dict[str, list[Target]], source: TensorSource) -> None:
     seen: set[str] = set()
     for key, tensor in source:
@@ -240,26 +138,6 @@ def _fill(needed: dict[str, list[Target]], source: TensorSource) -> None:
             f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         )
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-
-
-def _safetensors(model_dir: Path, wanted: set[str]) -> TensorSource:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / weight_map[k] for k in wanted if k in weight_map})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    for file in files:
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"checkpoint shard {file.name} listed in {index.name} is missing"
-            )
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key in wanted:
-                    yield key, handle.get_tensor(key)
 
 
 def _dummy_tensors(needed: dict[str, list[Target]], seed: int) -> TensorSource:

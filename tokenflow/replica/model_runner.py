@@ -11,7 +11,7 @@ from tokenflow.replica.attention import AttentionMetadata
 from tokenflow.replica.input_batch import CachedRequestState, InputBatch, StepInputs
 from tokenflow.replica.models.llama import CausalLM
 from tokenflow.replica.sampler import Sampler, SamplingMetadata
-from tokenflow.scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 
 
 @dataclass

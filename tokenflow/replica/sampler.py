@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenflow.scheduler.output import TokenLogprobs
+from tokenflow.scheduler import TokenLogprobs
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

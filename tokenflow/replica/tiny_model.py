@@ -1,7 +1,8 @@
 """The embedded default model `tokenflow-tiny`: a small Llama config and a byte-level BPE tokenizer.
 
-No weights are shipped: the loader builds them with `load_format="dummy"`. The tokenizer is
-trained here, deterministically, on text generated in code, so `build_tiny_assets` rewrites the
+No weights are shipped: the loader builds them with `load_format="dummy"`. This module only
+builds the packaged assets (`python -m tokenflow.replica.tiny_model`); the runtime finds them
+through `model_source`. The tokenizer is trained here, deterministically, on text generated in code, so `build_tiny_assets` rewrites the
 packaged files byte for byte (a test checks it) and nothing is ever downloaded.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-TINY_MODEL_NAME = "tokenflow-tiny"
+from tokenflow.replica.model_source import tiny_model_dir
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -218,27 +219,6 @@ def build_tiny_assets(out_dir: str | Path) -> Path:
     for name, text in files.items():
         (out / name).write_text(text, encoding="utf-8")
     return out
-
-
-def tiny_model_dir() -> Path:
-    """The packaged asset directory of `tokenflow-tiny` (inside the installed package)."""
-    return Path(__file__).resolve().parent.parent / "assets" / TINY_MODEL_NAME
-
-
-def resolve_model_dir(name_or_path: str) -> Path:
-    """Map "tokenflow-tiny" to the packaged assets and anything else to an existing local dir.
-
-    Never downloads: a hub name that is not a local directory is an error.
-    """
-    if name_or_path == TINY_MODEL_NAME:
-        return tiny_model_dir()
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {name_or_path!r} is not a local directory; tokenflow never downloads models: "
-            f"pass a directory holding config.json and tokenizer.json, or {TINY_MODEL_NAME!r}"
-        )
-    return path.resolve()
 
 
 if __name__ == "__main__":

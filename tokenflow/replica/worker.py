@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.loader import ModelArchConfig, load_model, resolve_dtype
+from tokenflow.replica.loader import load_model, resolve_dtype
 from tokenflow.replica.model_runner import IntermediateTensors, ModelRunner
-from tokenflow.replica.tiny_model import TINY_MODEL_NAME, resolve_model_dir
-from tokenflow.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tokenflow.replica.model_source import resolve_model
+from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,29 +19,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_load_format(model: str, model_dir: Path, load_format: str) -> str:
-    """`auto` means the checkpoint's safetensors, or dummy weights for the embedded model."""
-    if load_format != "auto":
-        return load_format
-    if model == TINY_MODEL_NAME and not any(model_dir.glob("*.safetensors")):
-        return "dummy"
-    return "safetensors"
-
-
-def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
-    wanted = config.scheduler.max_model_len
-    if wanted is None:
-        return arch.max_position_embeddings
-    if wanted > arch.max_position_embeddings:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's "
-                         f"max_position_embeddings={arch.max_position_embeddings}")
-    return wanted
-
-
 class Worker:
     """Owns one stage's model, KV cache tensors and ModelRunner.
 
     The same class runs in-process (InProcExecutor) and inside a Ray actor (RayExecutor).
+    Built in two steps: the weights first, then, once the engine has chosen the block count
+    and the context limit for every stage, the cache (`init_cache`).
     """
 
     def __init__(self, config: EngineConfig, layer_range: tuple[int, int] | None = None,
@@ -51,15 +33,12 @@ class Worker:
         self.device = device or resolve_device(config.model.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
-        self.model_dir = resolve_model_dir(config.model.model)
-        self.arch = ModelArchConfig.from_model_dir(self.model_dir)
+        source = resolve_model(config.model.model)
+        self.arch = source.arch_config()
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
-        load_format = resolve_load_format(config.model.model, self.model_dir,
-                                          config.model.load_format)
-        self.model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
-                                load_format=load_format, layer_range=layer_range,
+        self.model = load_model(source, dtype=self.dtype, device=self.device,
+                                load_format=config.model.load_format, layer_range=layer_range,
                                 seed=config.model.seed)
-        self.max_model_len = resolve_max_model_len(config, self.arch)
         self.runner: ModelRunner | None = None
 
     @property
@@ -78,13 +57,13 @@ class Worker:
             return cache.num_blocks
         return max(1, cache.kv_cache_memory_bytes // self.bytes_per_block())
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         arch, bs = self.arch, self.config.cache.block_size
         shape = (2, num_blocks, bs, arch.num_kv_heads, arch.head_dim)
         kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                      for _ in range(self.num_layers)]
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs,
-                                  max_model_len=self.max_model_len, device=self.device,
+                                  max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed)
 
     def execute_model(self, sched_out: SchedulerOutput,

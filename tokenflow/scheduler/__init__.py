@@ -1,19 +1,12 @@
 """Requests, queues and the token-budget scheduler. Knows nothing of torch, Ray or HTTP."""
 
+from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.factory import build_scheduler, import_scheduler_cls
-from tokenflow.scheduler.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-    TokenLogprobs,
-)
 from tokenflow.scheduler.queue import FCFSQueue, PriorityQueue, RequestQueue, create_request_queue
 from tokenflow.scheduler.request import Request, RequestStatus
+from tokenflow.scheduler.runner_output import ModelRunnerOutput, TokenLogprobs
 from tokenflow.scheduler.sampling_params import SamplingParams
+from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenflow.scheduler.scheduler import Scheduler
 
 __all__ = [

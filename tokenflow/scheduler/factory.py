@@ -24,7 +24,7 @@ def build_scheduler(
     scheduler_config: SchedulerConfig,
     cache_config: CacheConfig,
     num_blocks: int,
-    max_model_len: int | None = None,
+    max_model_len: int,
 ) -> Scheduler:
     cls: type[Scheduler] = Scheduler
     if scheduler_config.scheduler_cls:

@@ -68,7 +68,6 @@ class Request:
     priority: int = 0
     eos_token_id: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    client_index: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -105,14 +104,6 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
 
     def trim_output(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` outputs (tokens sampled after a stop)."""

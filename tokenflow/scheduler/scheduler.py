@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 
 from tokenflow.config import CacheConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
-from tokenflow.scheduler.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.queue import create_request_queue
 from tokenflow.scheduler.request import WAITING_FOR_SOMETHING, Request, RequestStatus
+from tokenflow.scheduler.runner_output import ModelRunnerOutput
+from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenflow.scheduler.stop import check_stop
 
 
@@ -39,6 +32,8 @@ class Scheduler:
     """Owns the waiting queue, the running list and the KV cache manager of one engine.
 
     Workers never see `Request` objects: each step they get a `SchedulerOutput` of deltas.
+    `max_model_len` is the engine's one context limit (resolved by the executor, never
+    recomputed here); the engine validates prompts against it before they arrive.
     """
 
     def __init__(
@@ -46,21 +41,13 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_blocks: int,
-        max_model_len: int | None = None,
+        max_model_len: int,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
-        model_len = max_model_len or scheduler_config.max_model_len
-        if model_len is None:
-            raise ValueError("max_model_len must be given (config or argument)")
-        # A sequence can never outgrow the whole cache, nor, without chunking, one step's
-        # budget (a preempted request recomputes all its tokens at once): both limit length.
-        model_len = min(model_len, num_blocks * cache_config.block_size)
-        if not scheduler_config.enable_chunked_prefill:
-            model_len = min(model_len, scheduler_config.max_num_batched_tokens)
-        self.max_model_len = model_len
+        self.max_model_len = max_model_len
         self.policy = scheduler_config.policy
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -91,6 +78,8 @@ class Scheduler:
         self.waiting.add(request)
 
     def _ignore(self, request: Request, reason: str) -> None:
+        # Unreachable through the engine, which rejects such prompts first: a guard for
+        # direct users of the scheduler.
         request.status = RequestStatus.FINISHED_IGNORED
         request.error = reason
         self._pending_outputs.append(EngineCoreOutput(
@@ -130,9 +119,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.requests)
+    def kv_cache_blocks(self) -> tuple[int, int]:
+        """(free blocks, total blocks) of the KV cache now."""
+        return self.kv.num_free_blocks, self.kv.num_blocks
 
     # ------------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -168,10 +157,7 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         # The hot loop of the engine: locals and inlined arithmetic on purpose.
         allocate = self.kv.allocate_slots
-        cached = plan.cached
-        c_req_ids, c_resumed = cached.req_ids, cached.resumed_from_preemption
-        c_tokens, c_blocks, c_computed = (cached.new_token_ids, cached.new_block_ids,
-                                          cached.num_computed_tokens)
+        append_cached = plan.cached.append
         num_scheduled = plan.num_scheduled
         threshold = self.config.long_prefill_token_threshold
         max_position = self.max_model_len - 1
@@ -207,11 +193,9 @@ class Scheduler:
             num_scheduled[req_id] = num_new
             budget -= num_new
             num_prompt = request.num_prompt_tokens
-            c_req_ids.append(req_id)
-            c_resumed.append(False)
-            c_tokens.append(all_tokens[num_computed if num_computed > num_prompt else num_prompt:])
-            c_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
-            c_computed.append(num_computed)
+            append_cached(req_id, False,
+                          all_tokens[num_computed if num_computed > num_prompt else num_prompt:],
+                          [b.block_id for b in new_blocks] if new_blocks else [], num_computed)
             request.num_computed_tokens = num_computed + num_new
             if request.spec_token_ids and num_computed + num_new > num_tokens:
                 plan.spec[req_id] = request.spec_token_ids[:num_computed + num_new - num_tokens]
@@ -243,7 +227,7 @@ class Scheduler:
         if req_id in plan.num_scheduled:  # scheduled earlier in this step: give it all back
             plan.budget += plan.num_scheduled.pop(req_id)
             plan.spec.pop(req_id, None)
-            self._drop_cached_entry(plan.cached, req_id)
+            plan.cached.remove(req_id)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -252,13 +236,6 @@ class Scheduler:
         self._stats.num_preemptions += 1
         plan.preempted.add(req_id)
         self.waiting.prepend(victim)
-
-    @staticmethod
-    def _drop_cached_entry(cached: CachedRequestData, req_id: str) -> None:
-        i = cached.req_ids.index(req_id)
-        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids,
-                       cached.new_block_ids, cached.num_computed_tokens):
-            del column[i]
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
@@ -275,7 +252,12 @@ class Scheduler:
             self.waiting.prepend(request)
 
     def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        # A request that wants prompt logprobs needs logits at every prompt position, so it
+        # computes its whole prompt (as vLLM does); its blocks still join the cache for others.
+        if request.sampling_params.prompt_logprobs is None:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        else:
+            hit_blocks, num_hit = [], 0
         num_new = request.num_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
@@ -286,6 +268,7 @@ class Scheduler:
             num_new = plan.budget
         if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
             return False
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit + num_new
@@ -297,26 +280,21 @@ class Scheduler:
         plan.budget -= num_new
         block_ids = self.kv.get_block_ids(req_id)
         if resumed:
-            cached = plan.cached
             start = max(num_hit, request.num_prompt_tokens)
-            cached.req_ids.append(req_id)
-            cached.resumed_from_preemption.append(True)
-            cached.new_token_ids.append(request.all_token_ids[start:])
-            cached.new_block_ids.append(block_ids)
-            cached.num_computed_tokens.append(num_hit)
+            plan.cached.append(req_id, True, request.all_token_ids[start:], block_ids, num_hit)
         else:
             plan.new_reqs.append(NewRequestData(
-                req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit))
+                req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit,
+                request.eos_token_id))
         return True
 
     # ------------------------------------------------------------------------- results
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
-    ) -> dict[int, EngineCoreOutputs]:
+    ) -> EngineCoreOutputs:
         """Append sampled tokens, roll back rejected drafts, run stop checks, free finished
-        requests and return per-client deltas."""
+        requests and return every request's delta."""
         outputs: list[EngineCoreOutput] = []
-        other_clients: dict[str, int] = {}  # requests of clients other than 0 (rare)
         requests = self.requests
         spec = sched_out.scheduled_spec_decode_tokens
         logprobs = runner_out.logprobs
@@ -346,11 +324,12 @@ class Scheduler:
                     self._finish_stopped(request, out, len(sampled) - num_keep)
                     any_stopped = True
             outputs.append(out)
-            if request.client_index:
-                other_clients[req_id] = request.client_index
         if any_stopped:
             self.running = [r for r in self.running if r.status == running_status]
-        return self._collect_outputs(outputs, other_clients)
+        if self._pending_outputs:
+            outputs.extend(self._pending_outputs)
+            self._pending_outputs = []
+        return EngineCoreOutputs(outputs, self.make_stats())
 
     def _account_spec(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         num_accepted = max(num_sampled - 1, 0)
@@ -371,21 +350,6 @@ class Scheduler:
         out.finish_reason = RequestStatus.finish_reason(request.status)
         out.stop_reason = request.stop_reason
         self._free(request)
-
-    def _collect_outputs(self, outputs: list[EngineCoreOutput], other_clients: dict[str, int]
-                         ) -> dict[int, EngineCoreOutputs]:
-        if self._pending_outputs:
-            outputs.extend(self._pending_outputs)
-            self._pending_outputs = []
-        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
-        if not other_clients:
-            by_client[0] = outputs
-        else:
-            for out in outputs:
-                by_client[other_clients.get(out.request_id, 0)].append(out)
-        result = {client: EngineCoreOutputs(outs) for client, outs in by_client.items()}
-        result.setdefault(0, EngineCoreOutputs()).scheduler_stats = self.make_stats()
-        return result
 
     # --------------------------------------------------------------------------- stats
     def make_stats(self) -> SchedulerStats:

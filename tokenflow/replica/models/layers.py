@@ -6,16 +6,13 @@ All operate on one flattened varlen batch: hidden states are [num_tokens, hidden
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenflow.replica.attention import AttentionBackend, AttentionMetadata
-
-if TYPE_CHECKING:  # the loader imports the models, so no runtime import back
-    from tokenflow.replica.loader import ModelArchConfig, RopeScaling
+from tokenflow.replica.models.config import ModelArchConfig, RopeScaling
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim / 2]
 

@@ -7,17 +7,13 @@ assembles from q/k/v and gate/up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenflow.replica.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.models.layers import Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding
-
-if TYPE_CHECKING:  # the loader imports the models, so no runtime import back
-    from tokenflow.replica.loader import ModelArchConfig
 
 
 class DecoderLayer(nn.Module):

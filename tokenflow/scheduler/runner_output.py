@@ -1,0 +1,24 @@
+"""What the workers send back to the scheduler after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-N in rank order."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced, per scheduled request (empty list for a partial prefill chunk)."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None

@@ -1,0 +1,73 @@
+"""What the scheduler sends the workers each step: which requests run and what changed.
+
+Everything here pickles small: workers in other processes receive a SchedulerOutput every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenflow.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have never seen: sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the workers already hold: owns five parallel columns, one entry a
+    request (columns pickle smaller than one object per request).
+
+    `new_token_ids[i]` are all known output tokens from position
+    `max(num_computed_tokens[i], num_prompt_tokens)` to the end (one token for a decode step),
+    so a worker always knows whether this step's chunk reaches the last token and must sample;
+    `new_block_ids[i]` are blocks appended to the request's table, or its whole table when
+    `resumed_from_preemption[i]`.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def append(self, req_id: str, resumed: bool, new_token_ids: list[int],
+               new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def remove(self, req_id: str) -> None:
+        i = self.req_ids.index(req_id)
+        for column in (self.req_ids, self.resumed_from_preemption, self.new_token_ids,
+                       self.new_block_ids, self.num_computed_tokens):
+            del column[i]
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: which requests, how many tokens each, and what changed."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+    kv_connector_metadata: Any = None
