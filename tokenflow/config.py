@@ -133,7 +133,10 @@ class DeploymentConfig(_Frozen):
 
     num_replicas: int | None = Field(default=1, ge=1)
     autoscaling_config: AutoscalingConfig | None = None
-    max_ongoing_requests: int = Field(default=64, ge=1)
+    # Serve queues a request at the handle (router) once each replica holds this many. High by
+    # default: the engine's waiting queue is the real queue, and anything queued at the handle
+    # (health checks and stats calls included) would wait behind every request.
+    max_ongoing_requests: int = Field(default=1024, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
     @model_validator(mode="after")

@@ -92,7 +92,7 @@ def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any])
 
 def main_app_args() -> dict[str, Any]:
     return {"engine": ENGINE_ARGS, "api_key": API_KEY,
-            "deployment": {"num_replicas": 1, "max_ongoing_requests": 256,
+            "deployment": {"num_replicas": 1,
                            "ray_actor_options": SERVER_ACTOR_OPTIONS}}
 
 
