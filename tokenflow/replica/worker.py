@@ -8,8 +8,9 @@ import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.replica.loader import load_model, resolve_dtype
-from tokenflow.replica.model_runner import IntermediateTensors, ModelRunner
+from tokenflow.replica.model_runner import ModelRunner
 from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.pipeline import StagePipe, free_port, stage_layer_ranges
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -20,14 +21,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    """Owns one stage's model, KV cache tensors and ModelRunner.
+    """Owns one stage's model, KV cache tensors, ModelRunner and pipeline hand-off.
 
-    The same class runs in-process (InProcExecutor) and inside a Ray actor (RayExecutor).
-    Built in two steps: the weights first, then, once the engine has chosen the block count
-    and the context limit for every stage, the cache (`init_cache`).
+    The same class runs in-process (InProcExecutor) and as a Ray actor (RayExecutor). Built in
+    steps: the weights of stage `stage`'s layers; then, with several stages, the process
+    group (`init_pipe`); then, once the engine chose the block count and context limit for
+    every stage, the cache (`init_cache`). A stage after the first receives its input from the
+    one before, a stage before the last sends its output on: the worker owns that, so the
+    runner and the executor never pass activations around.
     """
 
-    def __init__(self, config: EngineConfig, layer_range: tuple[int, int] | None = None,
+    def __init__(self, config: EngineConfig, stage: int = 0,
                  device: torch.device | None = None) -> None:
         self.config = config
         self.device = device or resolve_device(config.model.device)
@@ -35,23 +39,45 @@ class Worker:
             torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
         source = resolve_model(config.model.model)
         self.arch = source.arch_config()
+        parallel = config.parallel
+        self.stage = stage
+        self.layer_range = stage_layer_ranges(self.arch.num_layers,
+                                              parallel.pipeline_parallel_size,
+                                              parallel.stage_layers)[stage]
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
         self.model = load_model(source, dtype=self.dtype, device=self.device,
-                                load_format=config.model.load_format, layer_range=layer_range,
-                                seed=config.model.seed)
+                                load_format=config.model.load_format,
+                                layer_range=self.layer_range, seed=config.model.seed)
         self.runner: ModelRunner | None = None
+        self.pipe: StagePipe | None = None
 
     @property
     def num_layers(self) -> int:
-        return self.model.layer_end - self.model.layer_start
+        return self.layer_range[1] - self.layer_range[0]
 
+    # ------------------------------------------------------------------ pipeline group
+    def rendezvous_address(self, node_ip: str) -> tuple[str, int]:
+        """Where stage 0 hosts its group's rendezvous: its node IP and a free port."""
+        return node_ip, free_port(node_ip)
+
+    def init_pipe(self, master: tuple[str, int], node_ip: str) -> None:
+        """Join the replica's process group (blocks until every stage joined)."""
+        parallel = self.config.parallel
+        backend = parallel.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.pipe = StagePipe(self.stage, parallel.pipeline_parallel_size, backend, master,
+                              node_ip, parallel.step_timeout_s)
+
+    # ------------------------------------------------------------------------- cache
     def bytes_per_block(self) -> int:
         arch, cache = self.arch, self.config.cache
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cache.block_size * arch.num_kv_heads * arch.head_dim * elem * self.num_layers
 
     def num_blocks_available(self) -> int:
-        """Blocks this stage can hold: the configured count, or what the memory budget fits."""
+        """Blocks this stage can hold: the configured count, or what the memory budget fits
+        for this stage's own layers."""
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -66,8 +92,28 @@ class Worker:
                                   max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed)
 
-    def execute_model(self, sched_out: SchedulerOutput,
-                      intermediate: IntermediateTensors | None = None
-                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+    # -------------------------------------------------------------------------- step
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this stage's part of one step; the last stage returns the sampled tokens."""
         assert self.runner is not None, "init_cache() first"
-        return self.runner.execute_model(sched_out, intermediate)
+        pipe = self.pipe
+        intermediate = None
+        if pipe is not None and not pipe.is_first and sched_out.total_num_scheduled_tokens:
+            intermediate = pipe.recv(sched_out.total_num_scheduled_tokens,
+                                     self.arch.hidden_size, self.dtype, self.device)
+        out = self.runner.execute_model(sched_out, intermediate)
+        if pipe is not None and not pipe.is_last:
+            if out is not None:
+                pipe.send(out)  # type: ignore[arg-type]
+            return None
+        return out  # type: ignore[return-value]
+
+    def ping(self) -> int:
+        return self.stage
+
+    def shutdown(self) -> None:
+        if self.pipe is not None:
+            self.pipe.wait_sends()
+            self.pipe.close()
+            self.pipe = None
+        self.runner = None
