@@ -8,6 +8,7 @@ result JSON only where `--out` says.
 
     python bench/throughput.py --trace standard
     python bench/throughput.py --trace mixed --skip-hf
+    python bench/throughput.py --trace standard --pp 2     # PP=1 vs PP=2 (bench/pipeline.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--probe-batch", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--model-dir", default=None, help="reuse a written benchmark model")
+    p.add_argument("--pp", type=int, default=1,
+                   help="N > 1: compare PP=1 and PP=N at the same total threads instead")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -177,6 +181,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not (model_dir / "config.json").exists():
         write_bench_model(model_dir, args.seed)
     trace = make_trace(args.trace, args.num_requests, args.seed)
+    if args.pp > 1:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` as a package
+        from bench import pipeline
+
+        result = pipeline.compare(model_dir, trace, args)
+        print(pipeline.summary(result, args.pp))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     peak = measure_matmul_gflops()
     ours = run_tokenflow(model_dir, trace, args)
     total_flops = sum(flops_per_token(len(pr) + i) * (1 if i else len(pr))

@@ -140,3 +140,22 @@ def test_a_dead_stage_fails_its_requests_and_nothing_hangs(cluster: Cluster, che
     while _live_actors_and_groups() != before:
         assert time.monotonic() < deadline, f"left behind: {_live_actors_and_groups()}"
         time.sleep(0.5)
+
+
+def test_cli_generate_with_two_stages_prints_what_one_stage_prints() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def generate(pp: int) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "tokenflow.cli", "generate", "--model", "tokenflow-tiny",
+             "--max-tokens", "8", "--num-blocks", "64", "--max-model-len", "256",
+             "--pipeline-parallel-size", str(pp), "Hello, my name is"],
+            capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    assert generate(2) == generate(1)

@@ -1,9 +1,12 @@
 """RayExecutor: a replica's pipeline stages as Ray actors, one per stage, in a placement group.
 
-Each step, every stage actor receives the SchedulerOutput (plain actor calls, submitted in
-order, so each stage runs the batches in the order the engine scheduled them); activations
-travel between the stages over `torch.distributed` (see `pipeline.py`), never through Ray.
-The last stage's return value is the step's `ModelRunnerOutput`.
+Each step, every stage actor receives the SchedulerOutput through a Ray Compiled Graph (one
+input, one `execute_model` node per stage, up to one execution in flight per stage): each
+stage runs the batches in the order the engine scheduled them, and the control round trip
+costs well under a millisecond, where plain actor calls cost several (bench/README.md).
+Activations travel between the stages over `torch.distributed` (see `pipeline.py`), never
+through Ray. The last stage's return value is the step's `ModelRunnerOutput`. Pings and
+timings use a separate concurrency group, so they are answered while the graph runs.
 
 Placement: one bundle per stage (`{"CPU": n}`, or `{"GPU": 1, "CPU": n}`). Inside a Serve
 replica that reserved them (`placement_group_bundles`), the stages go into that replica's
@@ -15,11 +18,14 @@ executor kills the other stages, so none of them hangs in a receive, and reports
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
+from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -43,10 +49,19 @@ class StageDiedError(RuntimeError):
 
 
 class StageWorker(Worker):
-    """A `Worker` run as a Ray actor: it can tell which node it is on."""
+    """A `Worker` run as a Ray actor: it can tell which node it is on, and answers pings and
+    timing requests on its own thread while its compiled-graph loop runs steps."""
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.stage
+
+    @ray.method(concurrency_group="control")
+    def take_timings(self) -> dict[str, float]:
+        return super().take_timings()
 
 
 def wants_gpu(config: EngineConfig) -> bool:
@@ -56,30 +71,25 @@ def wants_gpu(config: EngineConfig) -> bool:
 
 class StepFuture:
     """One step in flight on every stage; `result()` is the last stage's output, or raises
-    `StageDiedError` as soon as any stage of the step fails."""
+    `StageDiedError` when a stage of the step fails (stages finish in order, so the first
+    failure found is the stage that broke the pipeline)."""
 
-    def __init__(self, executor: RayExecutor, refs: list[ray.ObjectRef]) -> None:
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
         self._executor = executor
         self._refs = refs
 
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         timeout = self._executor.step_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        stage_of = {ref: k for k, ref in enumerate(self._refs)}
-        pending = list(self._refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1,
-                                      timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                stage = stage_of[pending[0]]
-                raise self._executor.fail(stage, f"no answer within {timeout:.0f} s")
-            for ref in ready:
-                try:
-                    value = ray.get(ref)
-                except RayError as exc:
-                    raise self._executor.fail(stage_of[ref], repr(exc)) from exc
-                if stage_of[ref] == len(self._refs) - 1:
-                    out = value
+        out = None
+        for stage, ref in enumerate(self._refs):
+            try:
+                out = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except (GetTimeoutError, RayChannelTimeoutError) as exc:
+                raise self._executor.fail(stage, f"no answer within {timeout:.0f} s") from exc
+            except RayError as exc:
+                raise self._executor.fail(stage, repr(exc)) from exc
+        assert isinstance(out, ModelRunnerOutput)
         return out
 
 
@@ -88,15 +98,19 @@ class RayExecutor:
     and the liveness of the pipeline."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if not ray.is_initialized():
+            # The offline LLM with stages: join RAY_ADDRESS, or start a cluster of our own.
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
         arch = resolve_model(config.model.model).arch_config()
         self.vocab_size = arch.vocab_size
         self.step_timeout_s = config.parallel.step_timeout_s
         self._failure: str | None = None
         self._pings: list[ray.ObjectRef] = []
+        self._graph: Any = None
         use_gpu = wants_gpu(config)
         bundles = stage_bundles(config, use_gpu)
         self._pg, self._owns_pg = self._placement_group(bundles, config)
-        actor_cls = ray.remote(StageWorker)
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(StageWorker)
         pipeline_id = uuid.uuid4().hex[:8]
         self._actors = [
             actor_cls.options(
@@ -143,6 +157,9 @@ class RayExecutor:
         self.max_model_len = resolve_max_model_len(config, model_max_len, self.num_blocks)
         ray.get([a.init_cache.remote(self.num_blocks, self.max_model_len) for a in actors])
         self.stage_nodes = ips
+        with InputNode() as sched_out:
+            steps = MultiOutputNode([a.execute_model.bind(sched_out) for a in actors])
+        self._graph = steps.experimental_compile(_max_inflight_executions=len(actors))
         logger.info("pipeline of %d stages on %s, %d KV blocks each", len(actors), ips,
                     self.num_blocks)
 
@@ -150,9 +167,7 @@ class RayExecutor:
     def execute_model(self, sched_out: SchedulerOutput) -> StepFuture:
         if self._failure is not None:
             raise StageDiedError(self._failure)
-        # Pickled once, not once per stage.
-        ref = ray.put(sched_out)
-        return StepFuture(self, [a.execute_model.remote(ref) for a in self._actors])
+        return StepFuture(self, self._graph.execute(sched_out))
 
     def fail(self, stage: int, reason: str) -> StageDiedError:
         """Record that `stage` failed, stop every stage (none may hang waiting for it), and
@@ -181,11 +196,18 @@ class RayExecutor:
         if not self._pings:
             self._pings = [a.ping.remote() for a in self._actors]
 
-    def actor_ids(self) -> list[str]:
-        return [a._actor_id.hex() for a in self._actors]
+    def take_timings(self) -> list[dict[str, float]]:
+        """Each stage's `StageTimings` since the last call (for benchmarks)."""
+        return ray.get([a.take_timings.remote() for a in self._actors])
 
     # ---------------------------------------------------------------------- shutdown
     def _kill_actors(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception as exc:  # a stage is already dead
+                logger.debug("tearing the compiled graph down: %r", exc)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -18,6 +20,17 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+@dataclass
+class StageTimings:
+    """Where one stage's time went, summed over steps since the last `take_timings()`:
+    waiting for the previous stage's activations, running its layers, handing them on."""
+
+    steps: int = 0
+    recv_s: float = 0.0
+    compute_s: float = 0.0
+    send_s: float = 0.0
 
 
 class Worker:
@@ -50,6 +63,7 @@ class Worker:
                                 layer_range=self.layer_range, seed=config.model.seed)
         self.runner: ModelRunner | None = None
         self.pipe: StagePipe | None = None
+        self.timings = StageTimings()
 
     @property
     def num_layers(self) -> int:
@@ -96,17 +110,29 @@ class Worker:
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run this stage's part of one step; the last stage returns the sampled tokens."""
         assert self.runner is not None, "init_cache() first"
-        pipe = self.pipe
+        pipe, timings = self.pipe, self.timings
+        t0 = time.perf_counter()
         intermediate = None
         if pipe is not None and not pipe.is_first and sched_out.total_num_scheduled_tokens:
             intermediate = pipe.recv(sched_out.total_num_scheduled_tokens,
                                      self.arch.hidden_size, self.dtype, self.device)
+        t1 = time.perf_counter()
         out = self.runner.execute_model(sched_out, intermediate)
+        t2 = time.perf_counter()
         if pipe is not None and not pipe.is_last:
             if out is not None:
                 pipe.send(out)  # type: ignore[arg-type]
-            return None
+            out = None
+        timings.steps += 1
+        timings.recv_s += t1 - t0
+        timings.compute_s += t2 - t1
+        timings.send_s += time.perf_counter() - t2
         return out  # type: ignore[return-value]
+
+    def take_timings(self) -> dict[str, float]:
+        """This stage's `StageTimings` since the last call."""
+        taken, self.timings = self.timings, StageTimings()
+        return asdict(taken)
 
     def ping(self) -> int:
         return self.stage
