@@ -16,13 +16,13 @@ from tokenflow.scheduler import SamplingParams
 pytestmark = pytest.mark.multinode
 
 NUM_NEW = 10
-DRIVER = """
+DRIVER = f"""
 import json, os, ray
 from tokenflow import LLM, SamplingParams
 from tests.replica.test_engine import SCENARIOS, make_prompts
 
 ray.init(log_to_driver=False)
-params = SamplingParams(max_tokens={num_new}, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_tokens={NUM_NEW}, temperature=0.0, ignore_eos=True)
 result = {{}}
 for scenario in ("plain", "preemption"):
     llm = LLM(os.environ["TF_CHECKPOINT"], max_model_len=256, pipeline_parallel_size=2,
@@ -34,7 +34,7 @@ for scenario in ("plain", "preemption"):
                         "preemptions": llm.engine.totals.num_preemptions}}
     llm.shutdown()
 print(json.dumps(result))
-""".format(num_new=NUM_NEW)
+"""
 
 
 def test_pp2_across_two_nodes_is_token_exact(netns_cluster: NamespaceCluster,
