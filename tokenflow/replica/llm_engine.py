@@ -81,7 +81,7 @@ class LLMEngine:
             sequences.append(Request(child_id, token_ids, child_params, arrival_time=arrival,
                                      priority=priority, eos_token_id=eos,
                                      kv_transfer_params=kv_transfer_params,
-                                     output_token_ids=first_ids))
+                                     output_token_ids=list(first_ids)))
         return ProcessedRequest(request_id, text, token_ids, params, sequences)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:

@@ -11,6 +11,7 @@ then says done, which lets the producer free the blocks before their lease runs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,6 +186,8 @@ class TorchP2PTransport:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the thread in accept(); close() would not
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         with self._peers_lock:
             for sock, _, _ in self._peers.values():
