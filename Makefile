@@ -8,7 +8,12 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench clean
+# grafana-client needs urllib3-future, whose wheel overwrites the venv's urllib3 (it ships a .pth
+# that copies itself over it at every start); built from source with this variable it does not.
+PIP_INSTALL := URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install test lint serve bench clean chart-schema prometheus
 
 install: $(STAMP)
 
@@ -19,7 +24,7 @@ $(STAMP): pyproject.toml
 		echo "no CUDA device: installing the CPU build $(TORCH_CPU)"; \
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -30,6 +35,19 @@ test: lint
 
 serve: $(STAMP)
 	$(VENV)/bin/tokenflow serve --config configs/local.yaml
+
+# Regenerate the chart's generated files: values.schema.json (from AppConfig) and the dashboards.
+chart-schema: $(STAMP)
+	$(PY) -m tokenflow.cluster.chart_schema
+	$(VENV)/bin/tokenflow dashboards render helm/tokenflow/dashboards
+
+# Debian's Prometheus (the real-Prometheus dashboard test needs it); a no-op once installed.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null; }
+	@prometheus --version 2>&1 | head -1
 
 clean:
 	rm -rf $(VENV) build *.egg-info
