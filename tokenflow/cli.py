@@ -1,9 +1,12 @@
-"""`tokenflow` command line: `generate` (offline) and `serve` (Ray Serve + OpenAI API)."""
+"""`tokenflow` command line: `generate` (offline), `serve` (Ray Serve + OpenAI API) and
+`dashboards` (Grafana)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tokenflow.cluster.dashboards_cli import add_parser as _add_dashboards
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_dashboards(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
