@@ -13,7 +13,12 @@ PYTEST_ARGS ?=
 PIP_INSTALL := URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test lint serve bench clean chart-schema prometheus
+# `make observe`: a local Prometheus scraping `tokenflow serve --metrics-port $(METRICS_PORT)`.
+METRICS_PORT ?= 8080
+PROMETHEUS_PORT ?= 9090
+PROMETHEUS_DIR := .prometheus
+
+.PHONY: install test lint serve bench clean chart-schema prometheus observe
 
 install: $(STAMP)
 
@@ -49,5 +54,17 @@ prometheus:
 			prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
+# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT), scraping Ray's metrics export every 5 s (Ctrl-C
+# stops it; its data stays in $(PROMETHEUS_DIR)/).
+observe: prometheus
+	@mkdir -p $(PROMETHEUS_DIR)
+	@printf '%s\n' 'global: {scrape_interval: 5s, evaluation_interval: 5s}' \
+		'scrape_configs:' '  - job_name: ray' \
+		'    static_configs: [{targets: ["127.0.0.1:$(METRICS_PORT)"]}]' \
+		> $(PROMETHEUS_DIR)/prometheus.yml
+	prometheus --config.file=$(PROMETHEUS_DIR)/prometheus.yml \
+		--storage.tsdb.path=$(PROMETHEUS_DIR)/data \
+		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(PROMETHEUS_DIR)
