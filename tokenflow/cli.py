@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from tokenflow.cluster.dashboards_cli import add_parser as _add_dashboards
+from tokenflow.cluster.observe import add_arguments as add_observe_arguments
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="override host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="override port (default 8000)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    add_observe_arguments(p)
     p.set_defaults(func=_serve)
 
 

@@ -114,6 +114,11 @@ def describe(options: ObserveOptions, dashboard_url: str | None) -> list[str]:
     if options.dashboard and dashboard_url:
         url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
         lines.append(f"Ray dashboard at {url} (Serve view: {url}/#/serve)")
+        # Ray >= 2.52 turns token authentication on for a new local cluster (and says so in
+        # the environment it leaves); the dashboard then asks for the token.
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+            lines.append("  it asks for Ray's token: `ray get-auth-token` prints it "
+                         "(or $RAY_AUTH_TOKEN, if you set one)")
     address = metrics_address()
     if address:
         lines.append(f"Prometheus metrics at http://{address}/metrics")
