@@ -15,6 +15,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from jsonschema import Draft202012Validator
 from ray.serve.schema import ServeDeploySchema
 
 from tests.deploy.manifests import (
@@ -67,6 +68,9 @@ def test_helm_lint_is_clean(name: str) -> None:
 def test_values_schema_is_generated_from_app_config() -> None:
     assert (CHART / "values.schema.json").read_text() == to_json(values_schema(CHART)), (
         "values.schema.json is stale: run `make chart-schema`")
+    Draft202012Validator.check_schema(values_schema(CHART))
+    assert values_schema(CHART)["properties"]["tokenflow"]["properties"].keys() == (
+        AppConfig.model_fields.keys())
 
 
 def test_chart_dashboards_are_the_generated_ones() -> None:
