@@ -31,7 +31,7 @@ from tests.deploy.manifests import (
     render,
 )
 from tests.needs import need
-from tokenflow.cluster.app import app_config_from_args
+from tokenflow.cluster.app import app_config_from_args, server_options
 from tokenflow.cluster.chart_schema import to_json, values_schema
 from tokenflow.cluster.dashboards import dashboards
 from tokenflow.cluster.dashboards import to_json as dashboard_json
@@ -198,3 +198,22 @@ def test_crd_check_catches_unknown_and_mistyped_fields() -> None:
     errors = crd_errors("rayservices", service)
     assert any("rayStartParam" in e for e in errors), errors
     assert any("workerGroupSpecs/0/replicas" in e for e in errors), errors
+
+
+def test_presets_follow_the_config_files() -> None:
+    """The chart's default and autoscale presets are configs/local.yaml and
+    configs/autoscale.yaml, but for what a pod needs (listen on 0.0.0.0, CPU explicitly)."""
+    configs = CHART.parents[1] / "configs"
+    for preset, file, section in (("default", "local.yaml", None),
+                                  ("autoscale", "autoscale.yaml", "deployment")):
+        chart = AppConfig.model_validate(merged_values(preset_values(preset))["tokenflow"])
+        local = AppConfig.model_validate(yaml.safe_load((configs / file).read_text()))
+        if section:
+            # Helm drops a null value, so the chart's num_replicas is the default (1), which
+            # Serve ignores next to an autoscaling_config: compare what Serve gets.
+            assert server_options(chart.deployment) == server_options(local.deployment)
+            continue
+        pod = local.model_copy(update={"host": "0.0.0.0"})
+        pod = pod.model_copy(update={"engine": local.engine.model_copy(update={
+            "model": local.engine.model.model_copy(update={"device": "cpu"})})})
+        assert chart == pod, preset

@@ -2,7 +2,9 @@
 Prometheus export of Ray's metrics, and the links from the dashboard to Prometheus and Grafana.
 
 The Ray dashboard (cluster, actors, logs, and the Serve view of applications, deployments and
-replicas) listens on `--dashboard-port` (8265) unless `--no-dashboard`. Its metrics views read
+replicas) listens on 8265, or the next free port when another cluster's dashboard holds it (so
+that several servers can run on one machine), or exactly on `--dashboard-port`; not at all with
+`--no-dashboard`. Its metrics views read
 Prometheus and embed Grafana: Ray takes their addresses from the RAY_PROMETHEUS_HOST,
 RAY_PROMETHEUS_NAME, RAY_GRAFANA_HOST and RAY_GRAFANA_IFRAME_HOST variables, which must be in
 the environment of the dashboard process that `ray.init` starts, so they are set here, before
@@ -34,13 +36,15 @@ class ObserveOptions:
 
     dashboard: bool = True
     dashboard_host: str = "127.0.0.1"
-    dashboard_port: int = DEFAULT_DASHBOARD_PORT
+    dashboard_port: int | None = None  # None: 8265 or the next free port (Ray's own search)
     metrics_port: int | None = None
     env: tuple[tuple[str, str], ...] = ()  # (RAY_* variable, value) the user gave
 
     def check_ports_free(self) -> None:
         """Raise ValueError naming the flag to change if a port we would bind is taken."""
-        ports = [(self.dashboard_port, "--dashboard-port (or --no-dashboard)")] * self.dashboard
+        ports = []
+        if self.dashboard and self.dashboard_port:
+            ports.append((self.dashboard_port, "--dashboard-port (or --no-dashboard)"))
         if self.metrics_port:
             ports.append((self.metrics_port, "--metrics-port"))
         for port, flag in ports:
@@ -60,7 +64,9 @@ class ObserveOptions:
         """The `ray.init` arguments for a new local cluster."""
         kwargs: dict[str, Any] = {"include_dashboard": self.dashboard}
         if self.dashboard:
-            kwargs.update(dashboard_host=self.dashboard_host, dashboard_port=self.dashboard_port)
+            kwargs["dashboard_host"] = self.dashboard_host
+            if self.dashboard_port:
+                kwargs["dashboard_port"] = self.dashboard_port
         if self.metrics_port:
             kwargs["_metrics_export_port"] = self.metrics_port
         return kwargs
@@ -69,8 +75,9 @@ class ObserveOptions:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The observability flags of `tokenflow serve`."""
     group = parser.add_argument_group("observe (a cluster that tokenflow serve starts)")
-    group.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
-                       help="Ray dashboard port (default %(default)s)")
+    group.add_argument("--dashboard-port", type=int, default=None,
+                       help=f"Ray dashboard port (default: {DEFAULT_DASHBOARD_PORT}, or the next "
+                            "free one)")
     # Loopback by default: the dashboard also accepts Ray job submissions (code execution).
     group.add_argument("--dashboard-host", default="127.0.0.1",
                        help="Ray dashboard address (default %(default)s; 0.0.0.0 exposes it, "
