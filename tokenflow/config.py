@@ -186,17 +186,41 @@ class DeploymentConfig(_Frozen):
         return self
 
 
-class AppConfig(_Frozen):
-    """One application: the engine, how it is deployed, and the HTTP front door."""
+class PrefillConfig(_Frozen):
+    """The prefill side of a disaggregated application: its own engine and deployment."""
 
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
+
+
+class AppConfig(_Frozen):
+    """One application: the engine, how it is deployed, and the HTTP front door. With
+    `prefill`, `engine`/`deployment` are the decode side and the prefill side runs apart."""
+
+    engine: EngineConfig = EngineConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    prefill: PrefillConfig | None = None
     api_key: str | None = None
     # Streams send the first token at once, then at most one chunk per interval (0: each step).
     stream_interval_s: float = Field(default=0.0, ge=0)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     route_prefix: str = "/"
+
+    @model_validator(mode="after")
+    def _disaggregation_is_consistent(self) -> AppConfig:
+        if self.prefill is None:
+            return self
+        decode, prefill = self.engine.kv_transfer, self.prefill.engine.kv_transfer
+        if decode.connector is None or decode.connector != prefill.connector:
+            raise ValueError("with prefill, engine.kv_transfer.connector and "
+                             "prefill.engine.kv_transfer.connector must name the same connector")
+        if prefill.role == "consumer" or decode.role == "producer":
+            raise ValueError("the prefill engine produces KV (role producer or both) and the "
+                             "decode engine consumes it (role consumer or both)")
+        if self.prefill.engine.model.model != self.engine.model.model:
+            raise ValueError("prefill and decode must serve the same model")
+        return self
 
 
 class ConfigError(ValueError):

@@ -53,6 +53,26 @@ def main_app_args() -> dict[str, Any]:
                            "ray_actor_options": SERVER_ACTOR_OPTIONS}}
 
 
+PD_APP = "pd"
+
+
+def pd_app_args(connector: str = "torch_p2p") -> dict[str, Any]:
+    """A prefill and a decode deployment of the embedded model, one replica each."""
+    def engine(role: str) -> dict[str, Any]:
+        return {**ENGINE_ARGS, "model": {"model": "tokenflow-tiny", "num_threads": 1},
+                "kv_transfer": {"connector": connector, "role": role, "lease_s": 10}}
+
+    deployment = {"num_replicas": 1, "ray_actor_options": SERVER_ACTOR_OPTIONS}
+    return {"engine": engine("consumer"), "deployment": deployment, "api_key": API_KEY,
+            "prefill": {"engine": engine("producer"), "deployment": deployment}}
+
+
+@pytest.fixture(scope="session")
+def pd_app(cluster: Cluster) -> App:
+    """The disaggregated app (configs/pd.yaml, smaller): its handle is the decode LLMServer."""
+    return deploy(cluster, PD_APP, "/pd", pd_app_args())
+
+
 @pytest.fixture(scope="session")
 def main_app(cluster: Cluster) -> App:
     started = time.monotonic()

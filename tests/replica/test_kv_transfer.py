@@ -212,3 +212,27 @@ def test_an_abort_while_waiting_for_remote_kv_frees_everything(checkpoint) -> No
         server.close()
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_params_without_the_first_token_load_all_but_the_last_prompt_token(
+        checkpoint, colocated) -> None:
+    """What a router that forwards only the producer's `kv_transfer_params` (as vLLM's API
+    returns them) sends: the consumer computes the last prompt token and samples the first
+    token itself."""
+    producer = engine(checkpoint, "torch_p2p", role="producer")
+    consumer = engine(checkpoint, "torch_p2p", role="consumer")
+    try:
+        prompts = make_prompts()
+        params = [dataclasses.replace(p, temperature=0.0, seed=None) for p in params_for(prompts)]
+        transfers = prefill(producer, prompts, params)
+        for transfer in transfers:
+            del transfer["first_token_ids"]
+        outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
+        greedy = engine(checkpoint).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
+        assert consumer.engine.totals.kv_transfer_bytes > 0
+        assert consumer.engine.totals.kv_transfer_failures == 0
+        assert_all_free(producer, consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

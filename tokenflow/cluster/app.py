@@ -20,7 +20,13 @@ from ray import serve
 
 from tokenflow.cluster.ingress import OpenAIIngress
 from tokenflow.cluster.server import LLMServer
-from tokenflow.config import AppConfig, ConfigError, load_app_config
+from tokenflow.config import (
+    AppConfig,
+    ConfigError,
+    DeploymentConfig,
+    EngineConfig,
+    load_app_config,
+)
 
 # Flat overrides accepted next to a config: name -> path in the AppConfig.
 FLAT_OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -52,18 +58,22 @@ def app_config_from_args(args: dict[str, Any] | None) -> AppConfig:
 
 
 def server_options(config: AppConfig) -> dict[str, Any]:
-    """The LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
+    """The (decode side's) LLMServer deployment's Serve options."""
+    return deployment_options(config.engine, config.deployment)
+
+
+def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> dict[str, Any]:
+    """An LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
     pipeline stages, the placement group each replica reserves for them)."""
-    deployment = config.deployment
     options: dict[str, Any] = {"max_ongoing_requests": deployment.max_ongoing_requests,
                                "ray_actor_options": dict(deployment.ray_actor_options)}
-    parallel = config.engine.parallel
+    parallel = engine.parallel
     if parallel.uses_ray:
         # One bundle per stage, the replica's own resources merged into the first, where Serve
         # places the replica itself; the replica's stage actors then go into this group.
         from tokenflow.replica.stage_bundles import replica_bundles
 
-        options["placement_group_bundles"] = replica_bundles(config.engine,
+        options["placement_group_bundles"] = replica_bundles(engine,
                                                              deployment.ray_actor_options)
         options["placement_group_strategy"] = parallel.placement_strategy
     if deployment.autoscaling_config is not None:
@@ -75,12 +85,20 @@ def server_options(config: AppConfig) -> dict[str, Any]:
 
 
 def bind_app(config: AppConfig) -> serve.Application:
-    """Bind the ingress to the LLMServer deployment with the configured options."""
+    """Bind the ingress to the LLMServer deployment with the configured options (and, when
+    disaggregated, the decode LLMServer to its prefill deployment)."""
     server = serve.deployment(LLMServer, name="LLMServer", **server_options(config))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
     engine_args = config.engine.model_dump(mode="json")
+    prefill = None
+    if config.prefill is not None:
+        prefill = serve.deployment(
+            LLMServer, name="PrefillServer",
+            **deployment_options(config.prefill.engine, config.prefill.deployment),
+        ).bind(config.prefill.engine.model_dump(mode="json"))
     model = config.engine.model
-    return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s),
+    return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s,
+                                    prefill=prefill),
                         model.name, config.api_key, model.tokenizer or model.model)
 
 

@@ -61,9 +61,10 @@ class _HandleBackend:
         self._streaming = server.options(stream=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 priority: int, received_time: float) -> _HandleStream:
+                 priority: int, received_time: float,
+                 kv_transfer_params: dict[str, Any] | None = None) -> _HandleStream:
         return _HandleStream(self._streaming.generate.remote(
-            prompts, params, request_id, priority, received_time))
+            prompts, params, request_id, priority, received_time, kv_transfer_params))
 
     async def model_info(self) -> dict[str, Any]:
         return await self._server.model_info.remote()

@@ -12,7 +12,7 @@ Everything here is small and pickles cheaply; nothing imports torch, so the ingr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Where a producer published the prompt's KV (a request with do_remote_decode).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 StreamEvent = Union[Rejected, Accepted, list[SeqDelta], Finished]

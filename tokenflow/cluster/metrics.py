@@ -61,6 +61,10 @@ class SchedulerSnapshot:
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     preemptions_total: int
+    num_waiting_for_remote_kvs: int = 0
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_failures_total: int = 0
 
 
 class ServerMetrics:
@@ -107,6 +111,16 @@ class ServerMetrics:
                              "Engine arrival to the request's last token.", _LATENCY_BUCKETS_S)
         self.queue_time = histogram("tokenflow_request_queue_time_seconds",
                                     "Ingress receipt to engine arrival.", _LATENCY_BUCKETS_S)
+        self.waiting_remote_kv = gauge(
+            "tokenflow_num_requests_waiting_for_remote_kv",
+            "Requests waiting for their prompt's KV from a prefill replica.")
+        self.kv_transfer_bytes = counter("tokenflow_kv_transfer_bytes",
+                                         "KV-cache bytes received from other replicas.")
+        self.kv_transfer_seconds = counter("tokenflow_kv_transfer_seconds",
+                                           "Seconds spent receiving KV from other replicas.")
+        self.kv_transfer_failures = counter(
+            "tokenflow_kv_transfer_failures",
+            "KV loads that failed (their prompts were recomputed locally).")
         self._reported = SchedulerSnapshot(0, 0, 0.0, 0, 0, 0)
 
     def observe_request(self, t: RequestTiming) -> None:
@@ -132,6 +146,12 @@ class ServerMetrics:
         _inc(self.prefix_queries, s.prefix_cache_queries_total - last.prefix_cache_queries_total)
         _inc(self.prefix_hits, s.prefix_cache_hits_total - last.prefix_cache_hits_total)
         _inc(self.preemptions, s.preemptions_total - last.preemptions_total)
+        self.waiting_remote_kv.set(s.num_waiting_for_remote_kvs)
+        _inc(self.kv_transfer_bytes, s.kv_transfer_bytes_total - last.kv_transfer_bytes_total)
+        _inc(self.kv_transfer_seconds,
+             s.kv_transfer_seconds_total - last.kv_transfer_seconds_total)
+        _inc(self.kv_transfer_failures,
+             s.kv_transfer_failures_total - last.kv_transfer_failures_total)
         self._reported = s
 
 

@@ -70,7 +70,8 @@ class GenerationBackend(Protocol):
     """Where requests go: `LLMServer` replicas, through a Serve handle or in-process."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 priority: int, received_time: float) -> GenerationStream: ...
+                 priority: int, received_time: float,
+                 kv_transfer_params: dict[str, Any] | None = None) -> GenerationStream: ...
 
     async def model_info(self) -> dict[str, Any]: ...
 
@@ -103,9 +104,10 @@ class LocalBackend:
         self._server = server
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 priority: int, received_time: float) -> _LocalStream:
+                 priority: int, received_time: float,
+                 kv_transfer_params: dict[str, Any] | None = None) -> _LocalStream:
         return _LocalStream(self._server.generate(prompts, params, request_id, priority,
-                                                  received_time))
+                                                  received_time, kv_transfer_params))
 
     async def model_info(self) -> dict[str, Any]:
         return self._server.model_info()
@@ -219,7 +221,8 @@ class OpenAIServing:
                                   req.logprobs is not None)
         limit = await self._get_max_model_len()
         prompt_ids = await asyncio.to_thread(self._prompts.encode_all, req.prompts, limit)
-        stream = self._backend.generate(prompt_ids, params, fmt.id, req.priority, received)
+        stream = self._backend.generate(prompt_ids, params, fmt.id, req.priority, received,
+                                        req.kv_transfer_params)
         return await self._respond(stream, fmt, req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -233,7 +236,8 @@ class OpenAIServing:
         prompt_ids = await asyncio.to_thread(
             self._prompts.render_chat, req.conversation(), req.add_generation_prompt,
             req.chat_template_kwargs, limit)
-        stream = self._backend.generate([prompt_ids], params, fmt.id, req.priority, received)
+        stream = self._backend.generate([prompt_ids], params, fmt.id, req.priority, received,
+                                        req.kv_transfer_params)
         return await self._respond(stream, fmt, req.stream)
 
     async def tokenize(self, request: Request) -> Response:

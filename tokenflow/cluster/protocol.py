@@ -401,6 +401,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # Where a producer published the prompt's KV (a request with do_remote_decode), as vLLM
+    # returns it, so that a router can send the decode to another server.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(CompletionResponse):
@@ -453,6 +456,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # Where a producer published the prompt's KV (a request with do_remote_decode), as vLLM
+    # returns it, so that a router can send the decode to another server.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -184,7 +184,8 @@ class CompletionFormatter(Formatter):
             choices.append(CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
                                             logprobs=self._legacy_logprobs(c, c.logprobs)))
         return CompletionResponse(id=self.id, model=self.model, choices=choices,
-                                  usage=self.usage(finished))
+                                  usage=self.usage(finished),
+                                  kv_transfer_params=finished.kv_transfer_params)
 
 
 class ChatFormatter(Formatter):
@@ -236,4 +237,5 @@ class ChatFormatter(Formatter):
                                         logprobs=self._chat_logprobs(c.logprobs))
                    for i, c in enumerate(self.choices)]
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices,
-                                      usage=self.usage(finished))
+                                      usage=self.usage(finished),
+                                      kv_transfer_params=finished.kv_transfer_params)

@@ -26,6 +26,7 @@ from tokenflow.cluster.messages import (
     TokenLogprob,
 )
 from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMetrics
+from tokenflow.cluster.pd import PrefillClient
 from tokenflow.config import EngineConfig
 from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
 from tokenflow.replica.llm_engine import ProcessedRequest
@@ -47,12 +48,15 @@ class _Tally:
     num_cached_tokens: int = 0
     tokens_per_seq: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    num_pregenerated: int = 0  # tokens another replica generated (a disaggregated prefill)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_generated(self) -> int:
-        return sum(self.tokens_per_seq.values())
+        return sum(self.tokens_per_seq.values()) + self.num_pregenerated
 
     def add(self, out: RequestOutput) -> None:
+        self.kv_transfer_params = out.kv_transfer_params or self.kv_transfer_params
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         for c in out.outputs:
             self.tokens_per_seq[c.index] = self.tokens_per_seq.get(c.index, 0) + len(c.token_ids)
@@ -65,8 +69,12 @@ class LLMServer:
     reports health and load (running, waiting, KV usage) for Serve's autoscaler and router."""
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig,
-                 metrics_interval_s: float = 0.5, stream_interval_s: float = 0.0) -> None:
+                 metrics_interval_s: float = 0.5, stream_interval_s: float = 0.0,
+                 prefill: Any = None) -> None:
+        """`prefill`: a handle to a prefill deployment; with it, this replica decodes and runs
+        each request's prefill there (`cluster.pd`)."""
         config = EngineConfig.model_validate(engine_config)
+        self._prefill = PrefillClient(prefill) if prefill is not None else None
         # After the first token, a stream sends at most one batch of deltas per interval:
         # every item costs a Ray message and an HTTP chunk, which on a small machine take the
         # CPU the engine needs. 0 sends each step's tokens as soon as they exist.
@@ -83,10 +91,13 @@ class LLMServer:
 
     # ------------------------------------------------------------------------ generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
-                       request_id: str, priority: int = 0, received_time: float | None = None
+                       request_id: str, priority: int = 0, received_time: float | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None
                        ) -> AsyncIterator[StreamEvent]:
         """Stream one request: a batch of tokenized prompts, n choices each. The first event
-        is `Accepted`, or `Rejected` when the engine refuses the input (too long, ...)."""
+        is `Accepted`, or `Rejected` when the engine refuses the input (too long, ...).
+        `kv_transfer_params` (as vLLM's API takes them) publish the prompt's KV for another
+        engine, or load it from one."""
         try:
             self.engine.check_health()
         except EngineDeadError as exc:
@@ -94,22 +105,56 @@ class LLMServer:
                            ENGINE_DEAD_RETRY_S)
             return
         try:
-            processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority)
+            processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority,
+                                                     kv_transfer_params)
                          for i, p in enumerate(prompts)]
         except ValueError as exc:
             yield Rejected(str(exc))
             return
-        async for event in self._stream(request_id, processed, received_time):
+        if self._prefill is not None and PrefillClient.wants(prompts, params,
+                                                              kv_transfer_params):
+            events = self._disaggregated(prompts[0], params, request_id, priority,
+                                         received_time)
+        else:
+            events = self._stream(request_id, processed, received_time)
+        async for event in events:
+            yield event
+
+    async def _disaggregated(self, prompt: list[int], params: SamplingParams, request_id: str,
+                             priority: int, received_time: float | None
+                             ) -> AsyncIterator[StreamEvent]:
+        """Prefill on a prefill replica, stream its first token at once, then load the prompt's
+        KV from it and decode here (or compute everything here, if the prefill failed)."""
+        assert self._prefill is not None
+        prefilled = await self._prefill.prefill(prompt, params, request_id, priority)
+        if prefilled is not None and prefilled.finished:
+            yield Accepted(request_id, [len(prompt)])
+            yield [prefilled.delta]
+            yield Finished(len(prompt), len(prefilled.delta.token_ids), 0)
+            return
+        transfer = None
+        if prefilled is not None:
+            transfer = {**(prefilled.kv_transfer_params or {}), "first_token_sent": True,
+                        "first_token_ids": prefilled.delta.token_ids}
+        processed = self.engine.process_inputs(prompt, params, f"{request_id}-0", priority,
+                                               transfer)
+        async for event in self._stream(request_id, [processed], received_time,
+                                        prefilled.delta if prefilled else None):
             yield event
 
     async def _stream(self, request_id: str, processed: list[ProcessedRequest],
-                      received_time: float | None) -> AsyncIterator[StreamEvent]:
+                      received_time: float | None, leading: SeqDelta | None = None
+                      ) -> AsyncIterator[StreamEvent]:
         """Run every prompt's engine stream as a task and merge their deltas, yielding each
-        time whatever arrived since the previous yield (one Ray item per batch, not per token)."""
+        time whatever arrived since the previous yield (one Ray item per batch, not per token).
+        `leading`: a delta generated elsewhere (a prefill replica's first token), sent first."""
         yield Accepted(request_id, [len(p.prompt_token_ids) for p in processed])
         queue: asyncio.Queue[list[SeqDelta] | None] = asyncio.Queue()
         n = processed[0].params.n
         tallies = [_Tally(len(p.prompt_token_ids), n) for p in processed]
+        if leading is not None:
+            yield [leading]
+            tallies[0].num_pregenerated = len(leading.token_ids)
         tasks = [asyncio.create_task(self._pump(p, i * n, tally, queue, received_time))
                  for i, (p, tally) in enumerate(zip(processed, tallies, strict=True))]
         try:
@@ -129,7 +174,8 @@ class LLMServer:
                     next_send = time.monotonic() + self._stream_interval_s
             yield Finished(sum(t.num_prompt_tokens for t in tallies),
                            sum(t.num_generated for t in tallies),
-                           sum(t.num_cached_tokens for t in tallies))
+                           sum(t.num_cached_tokens for t in tallies),
+                           tallies[0].kv_transfer_params if len(tallies) == 1 else None)
         finally:
             # Normal end: the tasks are done. Cancelled (the caller went away): each task's
             # engine stream closes, which aborts its request and frees its blocks.
@@ -181,12 +227,15 @@ class LLMServer:
         self.engine.check_health()
 
     def stats(self) -> dict[str, Any]:
-        """Queue length and KV usage now."""
-        stats = self.engine.stats
+        """Queue length and KV usage now, and the KV-transfer totals since start."""
+        stats, totals = self.engine.stats, self.engine.totals
         num_free, num_blocks = self.engine.kv_cache
         return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
                 "kv_usage": 1 - num_free / num_blocks, "num_free_blocks": num_free,
-                "num_blocks": num_blocks}
+                "num_blocks": num_blocks,
+                "waiting_for_remote_kv": stats.num_waiting_for_remote_kvs,
+                "kv_transfer_bytes": totals.kv_transfer_bytes,
+                "kv_transfer_failures": totals.kv_transfer_failures}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook for request routers: the same load figures as `stats`."""
@@ -205,7 +254,9 @@ class LLMServer:
         num_free, num_blocks = self.engine.kv_cache
         return SchedulerSnapshot(stats.num_running_reqs, stats.num_waiting_reqs,
                                  1 - num_free / num_blocks, totals.prefix_cache_queries,
-                                 totals.prefix_cache_hits, totals.num_preemptions)
+                                 totals.prefix_cache_hits, totals.num_preemptions,
+                                 stats.num_waiting_for_remote_kvs, totals.kv_transfer_bytes,
+                                 totals.kv_transfer_seconds, totals.kv_transfer_failures)
 
     def __del__(self) -> None:
         # Serve calls __del__ when it stops a replica: stop the engine thread cleanly.

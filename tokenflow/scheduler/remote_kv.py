@@ -33,7 +33,7 @@ class RemoteKV:
     def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager) -> None:
         self.connector = connector
         self.kv = kv
-        self._parked: dict[str, Request] = {}
+        self._parked: dict[str, tuple[Request, int]] = {}  # and its tokens once loaded
         self._held: dict[str, Request] = {}
         self._aborted_loading: dict[str, Request] = {}
 
@@ -58,13 +58,13 @@ class RemoteKV:
                                   delay_cache_blocks=True) is None:
             return None
         self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
         self.connector.update_state_after_alloc(
             request, self.kv.get_block_ids(request.request_id), num_external)
-        request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._parked[request.request_id] = request
+        self._parked[request.request_id] = (request, num_hit + num_external)
         return True
 
     def note_admitted(self, request: Request) -> None:
@@ -84,12 +84,13 @@ class RemoteKV:
             if aborted is not None:
                 to_free.append(aborted)
                 continue
-            request = self._parked.pop(result.req_id, None)
-            if request is None:
+            parked = self._parked.pop(result.req_id, None)
+            if parked is None:
                 continue
+            request, num_loaded = parked
             if result.ok:
-                request.num_computed_tokens = request.num_prompt_tokens
-                self.kv.cache_blocks(request, request.num_computed_tokens)
+                request.num_computed_tokens = num_loaded
+                self.kv.cache_blocks(request, num_loaded)
             else:
                 request.kv_transfer_params = None  # compute the prompt here instead
             request.status = RequestStatus.WAITING

@@ -24,6 +24,7 @@ class RemoteRequest(Protocol):
     request_id: str
     num_prompt_tokens: int
     num_computed_tokens: int
+    num_tokens: int
     kv_transfer_params: dict[str, Any] | None
 
 

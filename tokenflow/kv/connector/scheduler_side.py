@@ -76,6 +76,10 @@ class TransferScheduler(KVConnectorScheduler):
                 or params.get("num_tokens") != request.num_prompt_tokens):
             return 0, False  # not this prompt's KV, or another block layout: recompute
         remote = int(params["num_tokens"])
+        if request.num_tokens == request.num_prompt_tokens:
+            # No first token came along (a router that sent just the producer's params): leave
+            # the last prompt token to compute here, for the logits of the first token.
+            remote -= 1
         return max(0, remote - num_computed), True
 
     def update_state_after_alloc(self, request: RemoteRequest, block_ids: list[int],
@@ -86,9 +90,9 @@ class TransferScheduler(KVConnectorScheduler):
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        num_tokens = int(params["num_tokens"])
-        first = (num_tokens - num_external_tokens) // bs
-        last = -(-num_tokens // bs)
+        start = request.num_computed_tokens  # the local prefix hits
+        first = start // bs
+        last = -(-(start + num_external_tokens) // bs)
         spec = LoadSpec(request.request_id, block_ids[first:last], first, params)
         self._loads[request.request_id] = _Load(spec)
         self._to_load.append(spec)
