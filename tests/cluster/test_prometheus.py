@@ -3,7 +3,9 @@
 A real Prometheus (Debian's package; `make prometheus` installs it) scrapes the session
 cluster's Ray metrics export on 127.0.0.1 every second while the `main` application serves a
 load made to touch every metric: a repeated prompt (prefix-cache hits), a refused request (an
-HTTP error), and more concurrent long requests than the replica's KV cache holds (preemptions).
+HTTP error), and more concurrent long requests than the replica's KV cache holds (preemptions);
+and the disaggregated `pd` application serves requests whose KV moves between replicas, one of
+them with transfer params that point nowhere (a failed load).
 Then each query of each panel, with the dashboard variables at "All", is evaluated through
 Prometheus' HTTP API until it returns a non-NaN value. That proves the dashboards show
 something, which a JSON lint cannot. Outside CI the test skips without a prometheus binary.
@@ -65,13 +67,30 @@ def _has_data(prom: Prometheus, expr: str) -> bool:
     return any(not math.isnan(float(s["value"][1])) for s in prom.query(expr))
 
 
-def test_every_panel_query_returns_data(cluster: Cluster, main_app: App,
+def _load_disaggregated(app: App) -> None:
+    """Requests through prefill and decode replicas (KV transfers), and one whose transfer
+    params point nowhere (a failed load, recomputed)."""
+    assert [_complete(app, f"disaggregated {i}", 8, app.api_key) for i in range(3)] == [200] * 3
+    bogus = {"do_remote_prefill": True, "num_tokens": 3, "block_size": 16,
+             "first_token_ids": [5], "stages": [{
+                 "transport": "torch_p2p", "host": "127.0.0.1", "control_port": 9,
+                 "store_port": 9, "req_id": "gone", "layers": [0, 4], "num_blocks": 1,
+                 "checksums": [0], "block_shape": [4, 2, 16, 2, 64], "dtype": "float32"}]}
+    r = httpx.post(app.base_url + "/v1/completions", timeout=300,
+                   headers={"Authorization": f"Bearer {app.api_key}"},
+                   json={"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 4,
+                         "kv_transfer_params": bogus})
+    assert r.status_code == 200, r.text
+
+
+def test_every_panel_query_returns_data(cluster: Cluster, main_app: App, pd_app: App,
                                         prometheus: Prometheus) -> None:
     deadline = time.monotonic() + 60
     while not prometheus.targets_up():
         assert time.monotonic() < deadline, f"Ray's metrics never scraped: {prometheus.log()}"
         time.sleep(1)
     _load(main_app)
+    _load_disaggregated(pd_app)
     pending = {(p.title, q.expr): expand(q.expr, WINDOW) for p in PANELS for q in p.queries}
     # Metrics reach Prometheus within an export interval plus a scrape interval; a bounded
     # poll covers a slow, shared machine.

@@ -137,6 +137,29 @@ def _cluster() -> list[Panel]:
         Panel("cluster", "Generation throughput per replica", (
             Query(rate("tokenflow_generation_tokens", by="replica"), "{{replica}}"),), "short",
               "Tokens generated per second by each replica."),
+        *_kv_transfer(),
+    ]
+
+
+def _kv_transfer() -> list[Panel]:
+    """Prefill/decode disaggregation: the KV the decode replicas load from prefill replicas."""
+    received, seconds = "tokenflow_kv_transfer_bytes", "tokenflow_kv_transfer_seconds"
+    waiting = "tokenflow_num_requests_waiting_for_remote_kv"
+    return [
+        Panel("cluster", "KV transfer (bytes / s received)", (
+            Query(rate(received, by="replica"), "{{replica}}"),), "Bps",
+              "KV-cache bytes decode replicas load from prefill replicas."),
+        Panel("cluster", "KV transfer bandwidth", (
+            # clamp_min: no transfer in the window reads 0, not 0/0.
+            Query(f"{rate(received)} / clamp_min({rate(seconds)}, 1e-9)", "while receiving"),),
+              "Bps", "Bytes received per second spent receiving (0 while nothing moves)."),
+        Panel("cluster", "KV transfer failures / s", (
+            Query(rate("tokenflow_kv_transfer_failures", by="replica"), "{{replica}}"),),
+              "short", "Loads that failed (dead producer, timeout, checksum): the decode "
+              "replica computed those prompts itself."),
+        Panel("cluster", "Requests waiting for remote KV", (
+            Query(f"sum by (replica) ({metric(waiting)}{_TF})", "{{replica}}"),), "short",
+              "Requests parked while their prompt's KV loads."),
     ]
 
 
