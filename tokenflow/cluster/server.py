@@ -237,6 +237,12 @@ class LLMServer:
                 "kv_transfer_bytes": totals.kv_transfer_bytes,
                 "kv_transfer_failures": totals.kv_transfer_failures}
 
+    def node_ip(self) -> str:
+        """The IP of the node this replica runs on (where its KV transfers come from)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook for request routers: the same load figures as `stats`."""
         return self.stats()

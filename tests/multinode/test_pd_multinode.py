@@ -1,0 +1,70 @@
+"""Prefill/decode disaggregation across real nodes: the prefill replica on one namespace node,
+the decode replica on another, so the prompts' KV crosses a veth link, on both transports. The
+served text equals a colocated engine's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cluster.conftest import ENGINE_ARGS
+from tests.multinode.netns import NamespaceCluster
+from tokenflow.config import EngineConfig
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import SamplingParams
+
+pytestmark = pytest.mark.multinode
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
+           "Once upon a time there was"]
+NUM_NEW = 10
+DRIVER = """
+import json, os, httpx, ray
+from ray import serve
+from tests.cluster.conftest import pd_app_args
+from tokenflow.cluster.app import build_app
+
+ray.init(log_to_driver=False)
+nodes = json.loads(os.environ["TF_NODES"])
+serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+prompts, num_new = json.loads(os.environ["TF_PROMPTS"]), int(os.environ["TF_NUM_NEW"])
+result = {}
+for connector in ("torch_p2p", "ray_object_store"):
+    args = pd_app_args(connector)
+    pin = lambda node: {"num_cpus": 0.25, "resources": {nodes[node]["resource"]: 0.01}}
+    args["deployment"]["ray_actor_options"] = pin("w2")              # decode on w2
+    args["prefill"]["deployment"] = {"num_replicas": 1, "ray_actor_options": pin("w1")}
+    serve.run(build_app(args), name="pd", route_prefix="/")
+    texts = []
+    for prompt in prompts:
+        r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=300,
+                       headers={"Authorization": "Bearer " + args["api_key"]},
+                       json={"prompt": prompt, "max_tokens": num_new, "temperature": 0,
+                             "ignore_eos": True})
+        r.raise_for_status()
+        texts.append(r.json()["choices"][0]["text"])
+    decode = serve.get_deployment_handle("LLMServer", app_name="pd")
+    prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
+    where = {name: handle.node_ip.remote().result() for name, handle in
+             (("decode", decode), ("prefill", prefill))}
+    result[connector] = {"texts": texts, "stats": decode.stats.remote().result(),
+                         "where": where}
+    serve.delete("pd")
+serve.shutdown()
+print(json.dumps(result))
+"""
+
+
+def test_prefill_and_decode_on_two_nodes(netns_cluster: NamespaceCluster) -> None:
+    llm = LLM(config=EngineConfig.model_validate(ENGINE_ARGS))
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    out = netns_cluster.run_driver(DRIVER, timeout_s=900, env={
+        "TF_PROMPTS": json.dumps(PROMPTS), "TF_NUM_NEW": str(NUM_NEW)}).json()
+    for connector, result in out.items():
+        assert result["texts"] == expected, connector
+        assert result["where"] == {"decode": netns_cluster.node("w2").ip,
+                                   "prefill": netns_cluster.node("w1").ip}, connector
+        stats = result["stats"]
+        assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, connector
