@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import ray
+import ray._private.internal_api as ray_internal
 import torch
 from ray import cloudpickle
 
@@ -49,7 +50,7 @@ class RayObjectTransport:
         with self._lock:
             ref = self._refs.pop(req_id, None)
         if ref is not None:
-            ray._private.internal_api.free([ref])  # a ref pickled out of band is never GC'd
+            ray_internal.free([ref])  # a ref pickled out of band is never GC'd
 
     def take_finished_sending(self) -> set[str]:
         return set()  # the consumer reads the copy; nothing to report
