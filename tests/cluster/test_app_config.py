@@ -31,10 +31,11 @@ BIN = Path(sys.executable).parent
 # ------------------------------------------------------------------------------- presets
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "autoscale.yaml"])
-def test_presets_validate(name: str) -> None:
+@pytest.mark.parametrize("name,model", [("local.yaml", "smollm2-135m-instruct"),
+                                        ("autoscale.yaml", "tokenflow-tiny")])
+def test_presets_validate(name: str, model: str) -> None:
     config = load_app_config(CONFIGS / name)
-    assert config.engine.model.model == "tokenflow-tiny"
+    assert config.engine.model.model == model
     assert config.host == "127.0.0.1"
 
 
@@ -64,7 +65,7 @@ def test_serve_yaml_is_a_valid_serve_config_with_our_args() -> None:
         (CONFIGS / "serve_local.yaml").read_text()))
     [app] = schema.applications
     assert app.import_path == "tokenflow.cluster.app:build_app"
-    assert app_config_from_args(app.args).engine.model.model == "tokenflow-tiny"
+    assert app_config_from_args(app.args).engine.model.model == "smollm2-135m-instruct"
     assert schema.http_options.host == "127.0.0.1"
 
 
