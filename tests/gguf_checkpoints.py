@@ -44,11 +44,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    {"": Q.Q4_0, "token_embd": Q.Q8_0, "output": Q.Q8_0, "blk.1.attn_v": Q.Q8_0}),
     # Qwen2: q/k/v biases, half-precision weights, tied embeddings.
     "qwen2": _spec(gguf.MODEL_ARCH.QWEN2, "qwen2", CHATML_TEMPLATE, False,
-                   {"": Q.F16, "blk.0.ffn": Q.Q4_1}, tie_word_embeddings=True),
+                   {"": Q.F16, "blk.0.ffn": Q.Q4_1, "blk.1.attn": Q.BF16},
+                   tie_word_embeddings=True),
     # Qwen3: q/k norms, a head size that is not hidden / heads (transformers' GGUF loader
     # takes Qwen3's head_dim from its config default, 128, so that is the size used).
     "qwen3": _spec(gguf.MODEL_ARCH.QWEN3, "qwen2", CHATML_TEMPLATE, False,
-                   {"": Q.Q8_0, "blk.1": Q.Q4_1, "output": Q.F32}, head_dim=128),
+                   {"": Q.Q8_0, "blk.1": Q.Q4_1, "blk.0.ffn_down": Q.Q5_0,
+                    "blk.0.attn_output": Q.Q5_1, "output": Q.F32}, head_dim=128),
 }
 # Extra tokens appended to the vocabulary (and so to the model): (text, llama.cpp token type).
 EXTRA_TOKENS = [("<|im_start|>", gguf.TokenType.CONTROL), ("<|im_end|>", gguf.TokenType.CONTROL),
