@@ -83,13 +83,20 @@ def permute_qk(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
+def source_model(family: str, *, seed: int = 0, **overrides: Any) -> Any:
+    """The transformers model `write_gguf(..., family, seed=seed)` converts."""
+    vocab_size = len(tiny_vocabulary()[0])
+    return build_hf_model(family, seed=seed, vocab_size=vocab_size,
+                          **{**FAMILIES[family]["hf"], **overrides})
+
+
 def write_gguf(tmp_dir: str | Path, family: str, *, seed: int = 0,
                qtypes: dict[str, Q] | None = None, **overrides: Any) -> Path:
-    """Write `<tmp_dir>/<family>-gguf-s<seed>/model.gguf`; returns that directory."""
+    """Write `<tmp_dir>/<family>-gguf-s<seed>/model.gguf`; returns that directory.
+    `qtypes` replaces the family's quantization plan (e.g. `{"": Q.F32}`)."""
     spec = FAMILIES[family]
     tokens, types, merges = tiny_vocabulary()
-    hf_model = build_hf_model(family, seed=seed, vocab_size=len(tokens),
-                              **{**spec["hf"], **overrides})
+    hf_model = source_model(family, seed=seed, **overrides)
     cfg = hf_model.config
     out = Path(tmp_dir) / f"{family}-gguf-s{seed}"
     out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.gguf_checkpoints import FAMILIES, GGUF_NAME, permute_qk, write_gguf
+from tests.gguf_checkpoints import FAMILIES, GGUF_NAME, Q, source_model, write_gguf
 from tokenflow.replica.gguf_source import GGUFSource, hf_tensor_name
 from tokenflow.replica.gguf_tokenizer import gguf_tokenizer
 from tokenflow.replica.loader import load_model
@@ -90,14 +90,17 @@ def test_arch_config_matches_transformers_config(gguf_dir: Path) -> None:
     assert arch.rope_scaling is None and arch.dtype is None  # dequantized: float32 on auto
 
 
-def test_qk_unpermute_inverts_the_converter() -> None:
-    rows = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of 8 rows
-    file = type("F", (), {"architecture": "llama",
-                          "arch_value": lambda self, k, d=None: 2})()
-    from tokenflow.replica.gguf_source import _qk_unpermute
-
-    restored = _qk_unpermute(file)("model.layers.0.self_attn.q_proj.weight", permute_qk(rows, 2))
-    assert np.array_equal(restored, rows)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_an_unquantized_file_gives_back_the_original_weights(tmp_path: Path, family: str) -> None:
+    """Independent of transformers: HF weights -> llama.cpp's layout (renamed, q/k permuted for
+    llama) -> tokenflow is the identity in F32."""
+    source = resolve_model(str(write_gguf(tmp_path, family, qtypes={"": Q.F32})))
+    original = source_model(family).state_dict()
+    ours = dict(source.tensors(set(original)))
+    assert set(ours) == set(original) - (
+        {"lm_head.weight"} if source.arch_config().tie_word_embeddings else set())
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, original[name]), name
 
 
 def test_a_pipeline_stage_reads_only_its_layers(gguf_dir: Path) -> None:
