@@ -8,6 +8,7 @@ users do: Ray's own `serve run` with the `applications:` YAML, and `tokenflow se
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -209,6 +210,7 @@ def test_tokenflow_serve_joins_the_cluster_and_stops_on_sigterm(cluster: Cluster
                 break
         assert any("serving the OpenAI API at" in line for line in lines), "".join(lines)
         assert any("application" in line for line in lines)  # progress was shown
+        assert any(re.search(r"loaded tokenflow-tiny in \d+\.\d s", line) for line in lines)
         url = cluster.http_url + "/cli"
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        timeout=30)
