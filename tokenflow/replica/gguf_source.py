@@ -12,7 +12,7 @@ Imports no torch at module level: the HTTP ingress resolves models only for thei
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -153,7 +153,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def _qk_unpermute(file: GGUFFile):  # noqa: ANN202 - (name, array) -> array
+def _qk_unpermute(file: GGUFFile) -> Callable[[str, np.ndarray], np.ndarray]:
     """Undo llama.cpp's row permutation of q/k (weights and biases) for `llama` files.
 
     The converter turns each head's rows from [first half | second half] (HF's rotate_half

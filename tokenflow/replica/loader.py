@@ -1,9 +1,10 @@
 """Weight loading: a `ModelSource` (config and checkpoint tensors) -> `CausalLM`.
 
-Sources yield Hugging Face tensor names (a GGUF source maps its own names to them). The loader maps each parameter of the model it built
-back to the checkpoint tensors it comes from (q/k/v rows of the fused `qkv_proj`, gate/up rows
-of `gate_up_proj`), so a pipeline stage reads only the tensors of its own layers, and a tensor
-the model needs but the checkpoint lacks is an error that names it.
+Sources yield Hugging Face tensor names (a GGUF source maps its own names to them). The loader
+maps each parameter of the model it built back to the checkpoint tensors it comes from (q/k/v
+rows of the fused `qkv_proj`, gate/up rows of `gate_up_proj`), so a pipeline stage reads only
+the tensors of its own layers, and a tensor the model needs but the checkpoint lacks is an
+error that names it.
 """
 
 from __future__ import annotations
