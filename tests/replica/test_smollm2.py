@@ -68,11 +68,11 @@ def test_tokenizer_and_chat_template_match_transformers(source, hf_tok) -> None:
 
 def test_greedy_is_token_exact_chunked_with_prefix_hits_and_preemption(source, hf_tok) -> None:
     """One engine small enough to chunk every prompt, reuse the shared system prompt's blocks
-    and preempt: 8 prompts of ~40 tokens in 12 blocks of 16 tokens, 32 tokens a step."""
+    and preempt: 8 prompts of ~40 tokens in 16 blocks of 16 tokens, 32 tokens a step."""
     tok = source.tokenizer()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),
                           add_special_tokens=False) for q in QUESTIONS]
-    llm = LLM(SMOLLM2_MODEL_NAME, max_model_len=192, max_num_batched_tokens=32, num_blocks=12,
+    llm = LLM(SMOLLM2_MODEL_NAME, max_model_len=192, max_num_batched_tokens=32, num_blocks=16,
               block_size=16)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
