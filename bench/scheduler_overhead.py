@@ -1,12 +1,16 @@
 """Scheduler overhead: time `schedule()` + `update_from_output()` per step on a seeded trace.
 
 The model is a fake runner (one token per scheduled request whose prefill is complete), so
-what is measured is the scheduler and the KV cache manager alone. Prints one JSON line and
-writes it to bench/results/. `--write-trace` dumps the synthetic trace as JSONL (one request
-a line: id, arrival_s, prompt_token_ids, output_len) so another scheduler can replay it with
-`--trace`.
+what is measured is the scheduler and the KV cache manager alone. Prints one JSON line; writes
+it only where `--out` says. `--write-trace` dumps the synthetic trace as JSONL (one request a
+line: id, arrival_s, prompt_token_ids, output_len) so another scheduler can replay it with
+`--trace`; `--dump-decisions` writes each step's decisions (new, resumed, preempted and
+finished request ids, tokens per request) as JSONL, so two schedulers can be diffed step by
+step. `--against DIR` runs the same trace through the benchmark of another checkout (an older
+commit, say) in alternating rounds and prints the ratio.
 
     python bench/scheduler_overhead.py --requests 512 --max-num-seqs 256
+    python bench/scheduler_overhead.py --against /tmp/old-checkout --rounds 3
 """
 
 from __future__ import annotations
@@ -14,19 +18,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
-from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_max_model_len
 from tokenflow.scheduler import ModelRunnerOutput, Request, SamplingParams, Scheduler
-
-RESULTS = Path(__file__).parent / "results"
-# vLLM 0.33's V1 scheduler on this kind of machine, same trace shape (see bench/README.md).
-VLLM_REFERENCE_US = {256: 2100.0, 512: 5400.0}
+from tokenflow.scheduler.engine_output import EngineCoreOutputs
+from tokenflow.scheduler.sched_output import SchedulerOutput
 
 
 def span(text: str) -> tuple[int, int]:
@@ -64,13 +71,29 @@ def fake_execute(scheduler: Scheduler, out) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids, sampled)
 
 
-def run(args: argparse.Namespace, trace: list[dict]) -> dict:
+def decisions(step: int, out: SchedulerOutput, outputs: EngineCoreOutputs) -> dict:
+    """One step's scheduling decisions, in a form any scheduler's can be compared with."""
+    cached = out.scheduled_cached_reqs
+    return {
+        "step": step,
+        "new": sorted(r.req_id for r in out.scheduled_new_reqs),
+        "resumed": sorted(r for r, resumed in zip(cached.req_ids, cached.resumed_from_preemption,
+                                                   strict=True) if resumed),
+        "preempted": sorted(out.preempted_req_ids),
+        "finished": sorted(o.request_id for o in outputs.outputs if o.finished),
+        "tokens": dict(sorted(out.num_scheduled_tokens.items())),
+    }
+
+
+def run(args: argparse.Namespace, trace: list[dict], dump: IO[str] | None = None) -> dict:
     sched_cfg = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len)
     cache_cfg = CacheConfig(block_size=args.block_size,
                             enable_prefix_caching=args.prefix_caching)
-    scheduler = Scheduler(sched_cfg, cache_cfg, args.num_blocks)
+    max_model_len = resolve_max_model_len(EngineConfig(scheduler=sched_cfg, cache=cache_cfg),
+                                          args.max_model_len, args.num_blocks)
+    scheduler = Scheduler(sched_cfg, cache_cfg, args.num_blocks, max_model_len)
     if args.gc_freeze:
         # As EngineCore does after start-up: long-lived objects (every KV block) leave the
         # collector's generations, so collections do not walk them.
@@ -101,11 +124,13 @@ def run(args: argparse.Namespace, trace: list[dict]) -> dict:
         step_us.append(us)
         if num_running >= args.max_num_seqs:
             full_us.append(us)
-        stats = outputs[0].scheduler_stats
+        stats = outputs.scheduler_stats
         totals["preemptions"] += stats.num_preemptions
         totals["prefix_hit_tokens"] += stats.prefix_cache_hits
         totals["scheduled_tokens"] += out.total_num_scheduled_tokens
-        progress.update(sum(o.finished for eo in outputs.values() for o in eo.outputs))
+        if dump is not None:
+            dump.write(json.dumps(decisions(len(step_us) - 1, out, outputs)) + "\n")
+        progress.update(sum(o.finished for o in outputs.outputs))
         clock += args.step_ms / 1000
     progress.close()
     step_us.sort()
@@ -118,13 +143,50 @@ def run(args: argparse.Namespace, trace: list[dict]) -> dict:
         "num_steps_at_max_num_seqs": len(full_us),
         "total_s": round(sum(step_us) / 1e6, 3),
         **totals,
-        "config": {k: v for k, v in vars(args).items() if k not in ("trace", "write_trace")},
+        "config": {k: v for k, v in vars(args).items() if k in TRACE_ARGS + RUN_ARGS},
     }
-    ref = VLLM_REFERENCE_US.get(args.max_num_seqs)
-    if ref is not None:
-        result["vllm_reference_median_us"] = ref
-        result["speedup_vs_vllm_reference"] = round(ref / result["median_us_at_max_num_seqs"], 2)
     return result
+
+
+# Arguments that define the workload, passed on unchanged to the benchmark of `--against`.
+TRACE_ARGS = ("requests", "prompt_len", "output_len", "seed")
+RUN_ARGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
+            "block_size", "prefix_caching", "step_ms", "gc_freeze")
+
+
+def _cli_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for name in RUN_ARGS:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def compare(args: argparse.Namespace, trace: list[dict]) -> dict:
+    """This checkout's scheduler and the one in `args.against`, on the same trace, in
+    alternating rounds (so drift of a noisy machine hits both alike)."""
+    other = Path(args.against).resolve()
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for t in trace:
+            f.write(json.dumps(t) + "\n")
+    cmd = [sys.executable, str(other / "bench" / "scheduler_overhead.py"), "--trace", f.name,
+           "--quiet", *_cli_flags(args)]
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        ours.append(run(args, trace)["median_us_at_max_num_seqs"])
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
+                              cwd=other)
+        theirs.append(json.loads(done.stdout.strip().splitlines()[-1])["median_us_at_max_num_seqs"])
+    os.unlink(f.name)
+    return {"against": str(other), "rounds": args.rounds,
+            "median_us_at_max_num_seqs": statistics.median(ours),
+            "against_median_us_at_max_num_seqs": statistics.median(theirs),
+            "speedup": round(statistics.median(theirs) / statistics.median(ours), 3),
+            "ours_us": ours, "against_us": theirs}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,7 +205,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="virtual time a step takes, for replaying arrival times")
     p.add_argument("--trace", help="replay a JSONL trace instead of the synthetic one")
     p.add_argument("--write-trace", help="write the synthetic trace as JSONL and go on")
-    p.add_argument("--label", default=None, help="results file name suffix")
+    p.add_argument("--out", help="write the result JSON to this file")
+    p.add_argument("--dump-decisions", metavar="FILE",
+                   help="write each step's scheduling decisions as JSONL")
+    p.add_argument("--against", metavar="DIR",
+                   help="also run the benchmark of the checkout in DIR, side by side")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds for --against")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True)
     return p.parse_args(argv)
@@ -156,11 +223,16 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.write_trace, "w") as f:
             for t in trace:
                 f.write(json.dumps(t) + "\n")
-    result = run(args, trace)
+    if args.against:
+        result = compare(args, trace)
+    elif args.dump_decisions:
+        with open(args.dump_decisions, "w") as dump:
+            result = run(args, trace, dump)
+    else:
+        result = run(args, trace)
     print(json.dumps({k: v for k, v in result.items() if k != "config"}))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    label = args.label or f"seqs{args.max_num_seqs}-blocks{args.num_blocks}"
-    (RESULTS / f"scheduler_overhead-{label}.json").write_text(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -4,7 +4,7 @@ Like vLLM's `benchmark_serving`: requests arrive all at once (`--request-rate in
 seeded Poisson process, at most `--max-concurrency` in flight; each streams its tokens and the
 client measures TTFT (time to the first token), ITL (every gap between token-bearing chunks),
 TPOT ((e2e - ttft) / (tokens - 1)) and E2E latency, then prints one readable line and a table
-and writes JSON to `bench/results/serve-<label>.json`.
+and, where `--result-dir` says, writes JSON to `<result-dir>/serve-<label>.json`.
 
     python -m bench.serve --base-url http://127.0.0.1:8000 --endpoint completions \\
         --dataset random --input-len 128 --output-len 128 --num-prompts 200 --request-rate 8
@@ -42,7 +42,6 @@ from bench.datasets import BenchRequest, random_requests, shared_prefix_requests
 Chunk = tuple[float, int]  # (time.perf_counter() when it arrived, tokens it carries)
 SendFn = Callable[[BenchRequest], AsyncIterator[Chunk]]
 PERCENTILES = (50, 90, 99)
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _MAX_ERRORS_KEPT = 10
 
 
@@ -405,7 +404,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--label", default=None, help="results file: serve-<label>.json")
-    p.add_argument("--result-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--result-dir", type=Path, default=None,
+                   help="write the result JSON here (nothing is written otherwise)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p.parse_args(argv)
 
@@ -451,8 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     label = args.label or default_label(args)
     result = asyncio.run(_run(args))
     print(result.table())
-    path = write_result(result, args, label)
-    print(f"serve[{label}]: {result.summary_line()} -> {path}")
+    where = f" -> {write_result(result, args, label)}" if args.result_dir else ""
+    print(f"serve[{label}]: {result.summary_line()}{where}")
     return 0 if result.completed else 1
 
 

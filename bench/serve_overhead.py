@@ -2,7 +2,7 @@
 the in-process `AsyncEngine`, in one process, with the same engine config.
 
 Prints both result tables, then one line with the throughput loss and the added median TTFT
-of the served path; writes bench/results/serve_overhead-<label>.json.
+of the served path; writes the result JSON only where `--out` says.
 
     python bench/serve_overhead.py --config configs/local.yaml --num-prompts 200 \
         --max-concurrency 32 --input-len 128 --output-len 64
@@ -30,8 +30,6 @@ from tokenflow.cluster.launcher import loopback_only  # noqa: E402
 from tokenflow.config import AppConfig, load_app_config  # noqa: E402
 from tokenflow.replica.async_engine import AsyncEngine  # noqa: E402
 from tokenflow.scheduler import SamplingParams  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class EngineSender:
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="engine.model.num_threads for both runs (default: the config's)")
     p.add_argument("--stream-interval", type=float, default=None,
                    help="stream_interval_s of the served app (default: the config's)")
-    p.add_argument("--label", default="c32")
+    p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     loopback_only()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
@@ -129,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{i['ttft_ms']['p50']:.1f} ms ({added_ttft_ms:+.1f} ms)")
     record = {"config": vars(args), "served": s, "inprocess": i,
               "throughput_loss": loss, "added_median_ttft_ms": added_ttft_ms}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"serve_overhead-{args.label}.json").write_text(json.dumps(record, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 

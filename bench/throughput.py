@@ -3,11 +3,12 @@
 Both engines load the same checkpoint (random weights written once with `save_pretrained`)
 and get the same prompts; transformers runs static batches. Prints output tokens per second
 for both and their ratio, the share of engine step time spent outside the model forward, a
-batch-64 decode probe, and the time against this machine's measured matmul limit. Writes
-JSON to bench/results/throughput-<trace>.json.
+batch-64 decode probe, and the time against this machine's measured matmul limit. Writes the
+result JSON only where `--out` says.
 
     python bench/throughput.py --trace standard
     python bench/throughput.py --trace mixed --skip-hf
+    python bench/throughput.py --trace standard --pp 2     # PP=1 vs PP=2 (bench/pipeline.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +30,6 @@ from tokenflow.replica.llm import LLM
 from tokenflow.replica.model_source import tiny_model_dir
 from tokenflow.scheduler import SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
 BENCH_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408,
                    num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                    max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -171,13 +172,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--probe-batch", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--model-dir", default=None, help="reuse a written benchmark model")
-    p.add_argument("--label", default="", help="results file suffix")
+    p.add_argument("--pp", type=int, default=1,
+                   help="N > 1: compare PP=1 and PP=N at the same total threads instead")
+    p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="tokenflow-bench-"))
     if not (model_dir / "config.json").exists():
         write_bench_model(model_dir, args.seed)
     trace = make_trace(args.trace, args.num_requests, args.seed)
+    if args.pp > 1:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` as a package
+        from bench import pipeline
+
+        result = pipeline.compare(model_dir, trace, args)
+        print(pipeline.summary(result, args.pp))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        return result
     peak = measure_matmul_gflops()
     ours = run_tokenflow(model_dir, trace, args)
     total_flops = sum(flops_per_token(len(pr) + i) * (1 if i else len(pr))
@@ -199,9 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         line += (f"; transformers {result['transformers']['tok_per_s']:.0f} tok/s "
                  f"-> {result['ratio_vs_transformers']:.2f}x")
     print(line)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"throughput-{args.trace}{'-' + args.label if args.label else ''}.json"
-    (RESULTS / name).write_text(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

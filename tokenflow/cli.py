@@ -21,15 +21,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="split the layers over this many stages (Ray actors; starts a local "
+                        "Ray cluster unless RAY_ADDRESS names one)")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD"])
     p.set_defaults(func=_generate)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tokenflow.cluster.launcher import loopback_only
+
+    loopback_only()  # before anything imports ray: a local cluster stays on 127.0.0.1
     from tokenflow.replica.llm import LLM
     from tokenflow.scheduler import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              num_blocks=args.num_blocks)
+              num_blocks=args.num_blocks, pipeline_parallel_size=args.pipeline_parallel_size,
+              placement_strategy=args.placement_strategy)
     print(f"loaded {args.model} in {llm.engine.load_time_s:.1f} s", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
@@ -38,6 +46,7 @@ def _generate(args: argparse.Namespace) -> int:
         for seq in out.outputs:
             tag = f"[{seq.index}] " if args.n > 1 else ""
             print(f"{tag}{out.prompt!r} -> {seq.text!r} ({seq.finish_reason})")
+    llm.shutdown()
     return 0
 
 

@@ -78,10 +78,36 @@ class SchedulerConfig(_Frozen):
 
 
 class ParallelConfig(_Frozen):
-    """How a replica's layers are split over pipeline stages."""
+    """How a replica's layers are split over pipeline stages, and where the stages run."""
 
     pipeline_parallel_size: int = Field(default=1, ge=1)
+    # auto: in this process for one stage, Ray actors (one per stage) for more.
     executor: Literal["auto", "inproc", "ray"] = "auto"
+    # Layers per stage, first stage first (must sum to the model's layers); None: even split.
+    stage_layers: list[int] | None = None
+    # PACK keeps the stages on as few nodes as possible; SPREAD puts them on different nodes.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # What each stage actor reserves: CPUs on CPU, one GPU (and these CPUs) on GPU.
+    stage_num_cpus: float = Field(default=1.0, ge=0)
+    # auto: nccl when the stages run on GPUs, gloo on CPUs.
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # A stage that has not answered a step for this long is taken for dead.
+    step_timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _stage_layers_match(self) -> ParallelConfig:
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.pipeline_parallel_size:
+                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for "
+                                 f"pipeline_parallel_size={self.pipeline_parallel_size}")
+            if min(self.stage_layers) < 1:
+                raise ValueError("every stage needs at least one layer")
+        return self
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.executor == "ray" or (self.executor == "auto"
+                                          and self.pipeline_parallel_size > 1)
 
 
 class EngineConfig(_Frozen):
@@ -134,7 +160,10 @@ class DeploymentConfig(_Frozen):
 
     num_replicas: int | None = Field(default=1, ge=1)
     autoscaling_config: AutoscalingConfig | None = None
-    max_ongoing_requests: int = Field(default=64, ge=1)
+    # Serve queues a request at the handle (router) once each replica holds this many. High by
+    # default: the engine's waiting queue is the real queue, and anything queued at the handle
+    # (health checks and stats calls included) would wait behind every request.
+    max_ongoing_requests: int = Field(default=1024, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
     @model_validator(mode="after")

@@ -43,11 +43,9 @@ def test_presets_validate(name: str, model: str) -> None:
 def test_local_preset_is_one_replica_and_autoscale_is_a_range() -> None:
     from tokenflow.cluster.app import app_config_from_args, server_options
 
-    local = server_options(app_config_from_args({"config": str(CONFIGS / "local.yaml")})
-                           .deployment)
+    local = server_options(app_config_from_args({"config": str(CONFIGS / "local.yaml")}))
     assert local["num_replicas"] == 1 and "autoscaling_config" not in local
-    auto = server_options(app_config_from_args({"config": str(CONFIGS / "autoscale.yaml")})
-                          .deployment)
+    auto = server_options(app_config_from_args({"config": str(CONFIGS / "autoscale.yaml")}))
     assert "num_replicas" not in auto
     scaling = auto["autoscaling_config"]
     assert scaling["min_replicas"] == 1 and scaling["max_replicas"] > 1
@@ -225,3 +223,29 @@ def test_tokenflow_serve_joins_the_cluster_and_stops_on_sigterm(cluster: Cluster
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("name", ["pp2.yaml", "pp2-gpu.yaml"])
+def test_pipeline_presets_reserve_one_bundle_per_stage(name: str) -> None:
+    from ray import serve
+
+    from tokenflow.cluster.app import server_options
+    from tokenflow.cluster.server import LLMServer
+
+    config = load_app_config(CONFIGS / name)
+    options = server_options(config)
+    bundles = options["placement_group_bundles"]
+    parallel = config.engine.parallel
+    assert len(bundles) == parallel.pipeline_parallel_size == 2
+    replica_cpus = config.deployment.ray_actor_options.get("num_cpus", 0)
+    assert bundles[0]["CPU"] == parallel.stage_num_cpus + replica_cpus
+    assert bundles[1]["CPU"] == parallel.stage_num_cpus
+    assert ("GPU" in bundles[0]) == (config.engine.model.device == "cuda")
+    assert options["placement_group_strategy"] == parallel.placement_strategy
+    serve.deployment(LLMServer, name="LLMServer", **options)  # Serve accepts the options
+
+
+def test_stage_layers_must_match_the_stage_count() -> None:
+    with pytest.raises(ConfigError, match="stage_layers"):
+        load_app_config({"engine": {"parallel": {"pipeline_parallel_size": 2,
+                                                 "stage_layers": [1, 2, 1]}}})

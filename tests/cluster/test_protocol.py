@@ -1,31 +1,29 @@
-"""OpenAI protocol schemas and error handling, through a tiny in-process FastAPI app.
+"""OpenAI protocol schemas and error handling, through the real ingress routes in process.
 
-No network: `TestClient` drives the app in-process, and the official `openai` client is pointed
-at the same app by using the `TestClient` as its `http_client`.
+No network and no Ray: `TestClient` drives `build_openai_app` (the very app the Serve ingress
+runs) over an in-process `LLMServer` on the embedded model, and the official `openai` client is
+pointed at it by using the `TestClient` as its `http_client`. The error handlers' own corner
+cases (an unhandled bug, a route that builds a bad response) use a tiny separate app.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from ray.exceptions import TaskCancelledError
 
-from tokenflow.cluster.errors import (
-    OpenAIError,
-    install_error_handlers,
-    not_found,
-    unauthorized,
-)
+from tokenflow.cluster.errors import OpenAIError, install_error_handlers, unauthorized
+from tokenflow.cluster.openai_serving import LocalBackend, OpenAIServing, build_openai_app
 from tokenflow.cluster.protocol import (
-    SSE_DONE,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -40,83 +38,39 @@ from tokenflow.cluster.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     parse_request,
-    sse_event,
 )
+from tokenflow.cluster.server import LLMServer
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 MODEL = "tokenflow-tiny"
-PIECES = ["Hello", ",", " world"]
+ENGINE_ARGS = {"model": {"model": MODEL}, "cache": {"num_blocks": 256},
+               "scheduler": {"max_model_len": 512}}
 
 
-# ---------------------------------------------------------------- the tiny app
+@pytest.fixture(scope="module")
+def server() -> Iterator[LLMServer]:
+    llm_server = LLMServer(ENGINE_ARGS)
+    yield llm_server
+    llm_server.engine.shutdown()
 
 
-def _completion_events(req: CompletionRequest) -> Iterator[str]:
-    resp_id, n_choices = "cmpl-test", len(req.prompts) * req.n
-    for piece in PIECES:
-        choices = [CompletionChoice(index=i, text=piece) for i in range(n_choices)]
-        yield sse_event(CompletionStreamResponse(id=resp_id, model=MODEL, choices=choices))
-    last = [CompletionChoice(index=i, text="", finish_reason="length") for i in range(n_choices)]
-    yield sse_event(CompletionStreamResponse(id=resp_id, model=MODEL, choices=last))
-    if req.include_usage:
-        usage = UsageInfo.of(2 * n_choices, len(PIECES) * n_choices)
-        yield sse_event(CompletionStreamResponse(id=resp_id, model=MODEL, choices=[], usage=usage))
-    yield SSE_DONE
+@pytest.fixture(scope="module")
+def client(server: LLMServer) -> Iterator[TestClient]:
+    app = build_openai_app(OpenAIServing(LocalBackend(server), MODEL))
+    # raise_server_exceptions=False: see the 500 response a real client would get, since
+    # Starlette re-raises unhandled errors after answering (so that the server logs them).
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
 
 
-def _chat_events(req: ChatCompletionRequest) -> Iterator[str]:
-    def chunk(delta: DeltaMessage, finish: Any = None) -> str:
-        choice = ChatCompletionStreamChoice(index=0, delta=delta, finish_reason=finish)
-        return sse_event(ChatCompletionStreamResponse(id="chatcmpl-test", model=MODEL,
-                                                      choices=[choice]))
-
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    for piece in PIECES:
-        yield chunk(DeltaMessage(content=piece))
-    yield chunk(DeltaMessage(), "stop")
-    if req.include_usage:
-        usage = UsageInfo.of(5, len(PIECES))
-        yield sse_event(ChatCompletionStreamResponse(id="chatcmpl-test", model=MODEL, choices=[],
-                                                     usage=usage))
-    yield SSE_DONE
-
-
-def make_app() -> FastAPI:
+def make_error_app() -> FastAPI:
+    """Routes that exercise the error handlers' corner cases, which real routes never hit."""
     app = FastAPI()
     install_error_handlers(app)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest) -> Any:
-        if req.model not in (None, MODEL):
-            raise not_found(f"The model `{req.model}` does not exist.", "model",
-                            "model_not_found")
-        req.to_sampling_params(default_max_tokens=32)
-        if req.stream:
-            return StreamingResponse(_completion_events(req), media_type="text/event-stream")
-        n_choices = len(req.prompts) * req.n
-        choices = [CompletionChoice(index=i, text="".join(PIECES), finish_reason="length")
-                   for i in range(n_choices)]
-        return CompletionResponse(model=MODEL, choices=choices,
-                                  usage=UsageInfo.of(2, len(PIECES) * n_choices))
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> Any:
-        req.to_sampling_params(default_max_tokens=32)
-        if req.stream:
-            return StreamingResponse(_chat_events(req), media_type="text/event-stream")
-        message = ChatResponseMessage(content="".join(PIECES))
-        choice = ChatCompletionChoice(index=0, message=message, finish_reason="stop")
-        return ChatCompletionResponse(model=MODEL, choices=[choice],
-                                      usage=UsageInfo.of(5, len(PIECES)))
 
     @app.post("/v1/by-hand")
     async def by_hand(request: Request) -> dict[str, int]:
@@ -128,18 +82,6 @@ def make_app() -> FastAPI:
         # A pydantic error from building our own model is a server bug: 500, not 400.
         UsageInfo(prompt_tokens="many")  # type: ignore[arg-type]
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=MODEL, max_model_len=2048)])
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return TokenizeResponse(tokens=[1, 2], count=2, max_model_len=2048)
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return DetokenizeResponse(prompt="ab")
-
     @app.get("/secret")
     async def secret() -> None:
         raise unauthorized()
@@ -148,14 +90,17 @@ def make_app() -> FastAPI:
     async def boom() -> None:
         raise RuntimeError("a bug in the server")
 
+    @app.get("/gone")
+    async def gone() -> None:
+        # What Serve raises in a handler whose client disconnected.
+        raise TaskCancelledError()
+
     return app
 
 
 @pytest.fixture(scope="module")
-def client() -> Iterator[TestClient]:
-    # raise_server_exceptions=False: see the 500 response a real client would get, since
-    # Starlette re-raises unhandled errors after answering (so that the server logs them).
-    with TestClient(make_app(), raise_server_exceptions=False) as test_client:
+def error_client() -> Iterator[TestClient]:
+    with TestClient(make_error_app(), raise_server_exceptions=False) as test_client:
         yield test_client
 
 
@@ -274,17 +219,18 @@ def test_error_messages_are_readable(client: TestClient) -> None:
     assert "Value error" not in error["message"]
 
 
-def test_hand_validated_body_errors_are_400(client: TestClient) -> None:
-    resp = client.post("/v1/by-hand", content='{"prompt": "hi", "n": 99}')
+def test_hand_validated_body_errors_are_400(error_client: TestClient) -> None:
+    resp = error_client.post("/v1/by-hand", content='{"prompt": "hi", "n": 99}')
     assert resp.status_code == 400
     assert _check_error_shape(resp.json(), 400)["param"] == "n"
-    resp = client.post("/v1/by-hand", content="{oops")
+    resp = error_client.post("/v1/by-hand", content="{oops")
     assert resp.status_code == 400
     assert _check_error_shape(resp.json(), 400)["code"] == "invalid_json"
 
 
-def test_status_errors_and_server_survives_500(client: TestClient) -> None:
-    resp = client.get("/secret")
+def test_status_errors_and_server_survives_500(client: TestClient,
+                                                error_client: TestClient) -> None:
+    resp = error_client.get("/secret")
     assert resp.status_code == 401
     assert _check_error_shape(resp.json(), 401)["code"] == "invalid_api_key"
     resp = client.get("/no/such/route")
@@ -293,12 +239,24 @@ def test_status_errors_and_server_survives_500(client: TestClient) -> None:
     resp = client.get(CMPL)
     assert resp.status_code == 405
     _check_error_shape(resp.json(), 405)
-    resp = client.get("/boom")
+    resp = error_client.get("/boom")
     assert resp.status_code == 500
     error = _check_error_shape(resp.json(), 500)
     assert "a bug in the server" not in error["message"]  # no internals leak to the client
-    assert client.get("/bad-response").status_code == 500
+    assert error_client.get("/bad-response").status_code == 500
     assert client.post(CMPL, json={"prompt": "still alive"}).status_code == 200
+
+
+def test_a_disconnect_is_not_logged_as_an_error(error_client: TestClient,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        resp = error_client.get("/gone")
+        error_client.get("/boom")
+    assert resp.status_code == 499
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # the bug, not the disconnect
+    assert any("client disconnected" in r.getMessage() and r.levelno < logging.WARNING
+               for r in caplog.records)
 
 
 def test_unknown_fields_are_ignored(client: TestClient) -> None:
@@ -458,29 +416,69 @@ def test_chat_responses_match_openai_types() -> None:
 
 def test_openai_client_round_trip(client: TestClient) -> None:
     oai = _openai_client(client)
-    cmpl = oai.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3)
+    cmpl = oai.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in cmpl.choices] == [0, 1, 2, 3]
-    assert cmpl.choices[0].text == "Hello, world"
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert chat.choices[0].message.content == "Hello, world"
-    assert chat.choices[0].finish_reason == "stop"
-    assert [m.id for m in oai.models.list()] == [MODEL]
+    assert cmpl.choices[0].text == cmpl.choices[1].text  # greedy: n copies agree
+    assert all(c.finish_reason == "length" for c in cmpl.choices)
+    assert cmpl.usage is not None and cmpl.usage.completion_tokens == 12
+    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    [card] = oai.models.list()
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 512
 
 
-def test_openai_client_streams(client: TestClient) -> None:
+def test_openai_client_streams_equal_whole_responses(client: TestClient) -> None:
     oai = _openai_client(client)
-    chunks = list(oai.completions.create(model=MODEL, prompt="a", stream=True,
+    kwargs = {"model": MODEL, "prompt": "a", "max_tokens": 6, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+    whole = oai.completions.create(**kwargs)
+    chunks = list(oai.completions.create(**kwargs, stream=True,
                                          stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello, world"
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(PIECES)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    messages = [{"role": "user", "content": "hi"}]
+    whole_chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                             temperature=0)
     chat_chunks = list(oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
-    assert text == "Hello, world"
+    assert text == whole_chat.choices[0].message.content
     assert chat_chunks[0].choices[0].delta.role == "assistant"
-    assert chat_chunks[-2].choices[0].finish_reason == "stop"
-    assert chat_chunks[-1].usage is not None and chat_chunks[-1].usage.total_tokens == 8
+    assert chat_chunks[-2].choices[0].finish_reason == whole_chat.choices[0].finish_reason
+    assert chat_chunks[-1].usage is not None
+    assert chat_chunks[-1].usage.total_tokens == whole_chat.usage.total_tokens
+
+
+def test_stream_chunks_omit_unset_fields(client: TestClient) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "stream": True}
+    with client.stream("POST", CHAT, json=body) as resp:
+        events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for raw in events[:-1]:
+        assert "null" not in raw, raw
+    first, second = json.loads(events[0]), json.loads(events[1])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "role" not in second["choices"][0]["delta"]
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(
+        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tokenizing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the prompt was tokenized")
+
+    huge = "word " * 1_000_000  # 5 MB
+    monkeypatch.setattr("tokenflow.replica.tokenizer.Tokenizer.encode", no_tokenizing)
+    for route, body in ((CMPL, {"prompt": huge}),
+                        (CHAT, {"messages": [{"role": "user", "content": huge}]})):
+        resp = client.post(route, json=body)
+        assert resp.status_code == 400, resp.text
+        error = _check_error_shape(resp.json(), 400)
+        assert "max_model_len=512" in error["message"]
 
 
 def test_openai_client_raises_typed_errors(client: TestClient) -> None:
@@ -492,3 +490,6 @@ def test_openai_client_raises_typed_errors(client: TestClient) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         oai.completions.create(model="gpt-nope", prompt="hi")
     assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        oai.completions.create(model=MODEL, prompt=[5] * 600)
+    assert "max_model_len=512" in too_long.value.message

@@ -457,8 +457,9 @@ def test_server_rejects_bad_input_as_data(server: Any) -> None:
 
 
 def test_dead_engine_fails_health_and_requests(server: Any) -> None:
-    from tokenflow.cluster.messages import Accepted, Finished
+    from tokenflow.cluster.messages import Finished, Rejected, SeqDelta
     from tokenflow.cluster.responses import CompletionFormatter
+    from tokenflow.cluster.server import ENGINE_DEAD_RETRY_S
     from tokenflow.replica.async_engine import EngineDeadError
 
     server.check_health()
@@ -466,14 +467,15 @@ def test_dead_engine_fails_health_and_requests(server: Any) -> None:
     try:
         with pytest.raises(EngineDeadError):
             server.check_health()  # Serve replaces a replica whose check_health raises
-        events = _events(server.generate([[5, 6]], SamplingParams(max_tokens=4), "r-x"))
-        assert isinstance(events[0], Accepted) and isinstance(events[-1], Finished)
-        [delta] = events[1]
-        assert delta.finish_reason == "error" and "simulated crash" in delta.error
-        fmt = CompletionFormatter(MODEL, 1, False, False)
-        fmt.add(events[1])
-        with pytest.raises(OpenAIError) as info:
-            fmt.response(events[-1])
-        assert info.value.status_code == 500
+        [event] = _events(server.generate([[5, 6]], SamplingParams(max_tokens=4), "r-x"))
+        # Not the client's fault, and another replica can serve it: a 503 to retry.
+        assert isinstance(event, Rejected) and "simulated crash" in event.message
+        assert (event.status_code, event.retry_after_s) == (503, ENGINE_DEAD_RETRY_S)
     finally:
         server.engine.error = None
+    # An engine that dies mid-request fails the request as retryable too.
+    fmt = CompletionFormatter(MODEL, 1, False, False)
+    fmt.add([SeqDelta(0, "", [], None, "error", "engine loop died", ENGINE_DEAD_RETRY_S)])
+    with pytest.raises(OpenAIError) as info:
+        fmt.response(Finished(2, 0, 0))
+    assert (info.value.status_code, info.value.retry_after_s) == (503, ENGINE_DEAD_RETRY_S)

@@ -435,3 +435,21 @@ def test_partial_prefill_gets_no_output():
     outputs = scheduler.update_from_output(out, ModelRunnerOutput(["req0"], [[]]))
     assert outputs.outputs == []
     assert r.num_computed_tokens == 16
+
+
+def test_prefix_lookups_are_counted_once_per_admission():
+    # Without chunking, b (a full block behind a) waits for budget for several steps; each
+    # failed admission attempt looks its prefix up again, but only the admission counts.
+    scheduler = create_scheduler(max_num_batched_tokens=48, enable_chunked_prefill=False)
+    prefix = list(range(100, 132))  # 2 full blocks
+    a, = create_requests(1, 8, prefix=prefix, id_prefix="a", max_tokens=3)
+    b, = create_requests(1, 8, prefix=prefix, id_prefix="b", seed=1, max_tokens=3)
+    c, = create_requests(1, 40, id_prefix="c", seed=2, max_tokens=3)
+    for r in (a, c, b):
+        scheduler.add_request(r)
+    waited = []
+    run_until_done(scheduler, on_step=lambda s, out: waited.append(b in s.waiting))
+    assert sum(waited) >= 2  # b's admission failed at least twice
+    assert b.num_cached_tokens == 32
+    kv = scheduler.kv
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40 + 40 + 40, 32)

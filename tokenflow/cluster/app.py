@@ -20,7 +20,7 @@ from ray import serve
 
 from tokenflow.cluster.ingress import OpenAIIngress
 from tokenflow.cluster.server import LLMServer
-from tokenflow.config import AppConfig, ConfigError, DeploymentConfig, load_app_config
+from tokenflow.config import AppConfig, ConfigError, load_app_config
 
 # Flat overrides accepted next to a config: name -> path in the AppConfig.
 FLAT_OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -51,10 +51,21 @@ def app_config_from_args(args: dict[str, Any] | None) -> AppConfig:
     return load_app_config(data)
 
 
-def server_options(deployment: DeploymentConfig) -> dict[str, Any]:
-    """The LLMServer deployment's Serve options (num_replicas xor autoscaling_config)."""
+def server_options(config: AppConfig) -> dict[str, Any]:
+    """The LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
+    pipeline stages, the placement group each replica reserves for them)."""
+    deployment = config.deployment
     options: dict[str, Any] = {"max_ongoing_requests": deployment.max_ongoing_requests,
                                "ray_actor_options": dict(deployment.ray_actor_options)}
+    parallel = config.engine.parallel
+    if parallel.uses_ray:
+        # One bundle per stage, the replica's own resources merged into the first, where Serve
+        # places the replica itself; the replica's stage actors then go into this group.
+        from tokenflow.replica.stage_bundles import replica_bundles
+
+        options["placement_group_bundles"] = replica_bundles(config.engine,
+                                                             deployment.ray_actor_options)
+        options["placement_group_strategy"] = parallel.placement_strategy
     if deployment.autoscaling_config is not None:
         options["autoscaling_config"] = deployment.autoscaling_config.model_dump(
             exclude_none=True)
@@ -65,7 +76,7 @@ def server_options(deployment: DeploymentConfig) -> dict[str, Any]:
 
 def bind_app(config: AppConfig) -> serve.Application:
     """Bind the ingress to the LLMServer deployment with the configured options."""
-    server = serve.deployment(LLMServer, name="LLMServer", **server_options(config.deployment))
+    server = serve.deployment(LLMServer, name="LLMServer", **server_options(config))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
     engine_args = config.engine.model_dump(mode="json")
     model = config.engine.model

@@ -9,6 +9,7 @@ returns a response instead of letting one bad request take the server down.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ _TYPE_BY_STATUS = {
 # Pydantic error types that mean "wrong JSON type" rather than "wrong value".
 _TYPE_ERRORS = ("_type", "_parsing", "model_attributes_type", "dict_type", "list_type")
 _MAX_INPUT_REPR = 80
+# What a request's handler sees when its client went away (Serve cancels the request's task).
+_DISCONNECTS = (asyncio.CancelledError, TaskCancelledError)
 
 
 class ErrorInfo(BaseModel):
@@ -67,6 +71,7 @@ class OpenAIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -74,6 +79,8 @@ class OpenAIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status_code, "internal_error")
         self.param = param
         self.code = code
+        # Sent as `Retry-After`: the client may try again then (busy, or a replica restarts).
+        self.retry_after_s = retry_after_s
 
     def to_response_model(self) -> ErrorResponse:
         return ErrorResponse(
@@ -101,6 +108,11 @@ def unauthorized(message: str = "Incorrect API key provided.") -> OpenAIError:
     return OpenAIError(message, 401, "authentication_error", None, "invalid_api_key")
 
 
+def service_unavailable(message: str, retry_after_s: int = 1) -> OpenAIError:
+    """503 with `Retry-After`: not the client's fault, and trying again may well succeed."""
+    return OpenAIError(message, 503, "service_unavailable_error", None, None, retry_after_s)
+
+
 def internal_error(message: str = "Internal server error.") -> OpenAIError:
     """500 `internal_error`: our fault, not the client's."""
     return OpenAIError(message, 500, "internal_error", None, None)
@@ -115,7 +127,9 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The JSON response for any exception: its own status for `OpenAIError` and validation
     errors, 500 `internal_error` for anything else."""
     err = _as_openai_error(exc)
-    return JSONResponse(status_code=err.status_code, content=err.to_response_model().model_dump())
+    headers = None if err.retry_after_s is None else {"Retry-After": str(err.retry_after_s)}
+    return JSONResponse(status_code=err.status_code, content=err.to_response_model().model_dump(),
+                        headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -144,6 +158,11 @@ def _as_openai_error(exc: BaseException) -> OpenAIError:
         return bad_request(f"Invalid JSON body: {exc.msg}.", code="invalid_json")
     if isinstance(exc, StarletteHTTPException):
         return OpenAIError(str(exc.detail), exc.status_code)
+    if isinstance(exc, _DISCONNECTS):
+        # A client that disconnects is normal, and Serve already logs it (one INFO line):
+        # no traceback, no error.
+        logger.debug("client disconnected; its request was cancelled")
+        return OpenAIError("the client disconnected", 499, "client_closed_request")
     # Only bugs reach here: log the traceback for us, keep the details from the client.
     logger.error("unhandled error while serving a request", exc_info=exc)
     return internal_error(f"Internal server error ({type(exc).__name__}).")

@@ -1,9 +1,11 @@
 """`tokenflow serve`: start (or join) Ray, start Serve's HTTP proxy, deploy, serve until stopped.
 
-A local Ray cluster is started unless `RAY_ADDRESS` names one to join. While the application
-deploys, one status line is printed each time its state changes; then the URL; then the
-process waits for Ctrl-C or SIGTERM and shuts down what it started: on a local cluster Serve and
-Ray, on a joined cluster only its own application.
+A new local Ray cluster is started unless `RAY_ADDRESS` names one to join (never whatever
+cluster Ray's temp dir happens to name). While the application deploys, one status line is
+printed each time its state changes; then the URL; then the process waits for Ctrl-C or
+SIGTERM, watching that its port still answers (if Ray dies under it, it exits non-zero), and
+shuts down only what it started: on its own cluster Serve and Ray, on a joined cluster only its
+own application.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,6 +23,12 @@ from tokenflow.config import AppConfig
 
 APP_NAME = "tokenflow"
 POLL_S = 1.0
+# Consecutive refused connections on our port before concluding the server is gone.
+MAX_REFUSALS = 3
+
+
+class ServeError(RuntimeError):
+    """`tokenflow serve` cannot go on; the message says why and what to do."""
 
 
 def _say(message: str) -> None:
@@ -49,15 +58,51 @@ def loopback_only() -> None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ServeError(f"cannot serve on {host}:{port}: {exc.strerror} (another server, "
+                             "or another tokenflow serve, holds it); choose a free one with "
+                             "--port") from None
+
+
+def _port_answers(host: str, port: int) -> bool:
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    try:
+        with socket.create_connection((target, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def _start_ray() -> bool:
-    """Join RAY_ADDRESS if set, else start a local cluster; True if we started it."""
+    """Join RAY_ADDRESS if set, else start a new local cluster; True if we started it."""
     import ray
 
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=False)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
         return False
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # "local": a new cluster of our own, even if Ray's temp dir names a running one.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     return True
+
+
+def _refuse_to_replace(started_ray: bool) -> None:
+    """On a joined cluster, an application of our name belongs to someone else: keep it."""
+    from ray import serve
+
+    if started_ray:
+        return
+    try:
+        apps = serve.status().applications
+    except Exception:  # no Serve instance there yet
+        return
+    if APP_NAME in apps:
+        raise ServeError(f"the Ray cluster at {os.environ['RAY_ADDRESS']} already runs a "
+                         f"Serve application named {APP_NAME!r}; refusing to replace it")
 
 
 def _deploy(config: AppConfig) -> None:
@@ -115,22 +160,65 @@ def _report_load_time(model: str) -> None:
     _say(f"loaded {model} in {info['load_time_s']:.1f} s")
 
 
-def _wait_for_signal() -> None:
+class ClusterWatch:
+    """Owns the checks that say this server can still serve: the head processes of a cluster
+    it started (Ray runs them as this process's children) are alive, and its port answers."""
+
+    def __init__(self, config: AppConfig, started_ray: bool) -> None:
+        import psutil
+
+        self._config = config
+        self._refusals = 0
+        self._head = [p for p in psutil.Process().children(recursive=True)
+                      if started_ray and p.name() in ("gcs_server", "raylet")]
+
+    def problem(self) -> str | None:
+        """Why serving cannot go on, or None."""
+        import psutil
+
+        for process in self._head:
+            if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
+                return f"Ray's {process.name()} (pid {process.pid}) died"
+        host, port = self._config.host, self._config.port
+        self._refusals = 0 if _port_answers(host, port) else self._refusals + 1
+        if self._refusals >= MAX_REFUSALS:
+            return f"{host}:{port} stopped answering (the Ray cluster or its Serve proxy died)"
+        return None
+
+
+def _serve_until_stopped(watch: ClusterWatch) -> str | None:
+    """Wait for Ctrl-C or SIGTERM (None), or until the watch finds a problem (returned)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(POLL_S):
-        pass
+        problem = watch.problem()
+        if problem is not None:
+            return problem
+    return None
 
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run `tokenflow serve` to the end; returns the process exit code."""
     loopback_only()
     config = config_from_cli(args)  # a bad config fails here, before anything starts
-    started_ray = _start_ray()
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    try:
+        if not joining:
+            _check_port_free(config.host, config.port)
+        started_ray = _start_ray()
+        _refuse_to_replace(started_ray)
+    except ServeError as exc:
+        _say(f"error: {exc}")
+        return 2
+    return _run(config, started_ray)
+
+
+def _run(config: AppConfig, started_ray: bool) -> int:
     import ray
     from ray import serve
 
+    deployed, cluster_alive = False, True
     try:
         if not started_ray:
             _say(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}; if Serve already runs "
@@ -138,6 +226,7 @@ def serve_main(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": config.host, "port": config.port})
         _say(f"deploying {config.engine.model.name} ...")
         try:
+            deployed = True
             _deploy(config)
         except Exception as exc:
             _say(f"deployment failed: {exc}")
@@ -146,14 +235,27 @@ def serve_main(args: argparse.Namespace) -> int:
         prefix = config.route_prefix.rstrip("/")
         _say(f"serving the OpenAI API at http://{config.host}:{config.port}{prefix}/v1 "
              "(Ctrl-C to stop)")
-        _wait_for_signal()
+        problem = _serve_until_stopped(ClusterWatch(config, started_ray))
+        if problem is not None:
+            cluster_alive = False  # nothing left to stop politely
+            _say(f"error: {problem}; exiting")
+            return 1
         _say("shutting down ...")
         return 0
     finally:
-        try:
-            if started_ray:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
-        finally:
-            ray.shutdown()
+        if cluster_alive:
+            _shut_down(started_ray, deployed)
+        ray.shutdown()
+
+
+def _shut_down(started_ray: bool, deployed: bool) -> None:
+    """Stop only what this process started; a dead cluster is not an error here."""
+    from ray import serve
+
+    try:
+        if started_ray:
+            serve.shutdown()
+        elif deployed:
+            serve.delete(APP_NAME)
+    except Exception as exc:
+        _say(f"(could not stop Serve cleanly: {type(exc).__name__})")

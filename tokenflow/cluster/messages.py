@@ -17,10 +17,13 @@ from typing import Union
 
 @dataclass(frozen=True)
 class Rejected:
-    """The input was invalid (too long, empty, no chat template, ...): the stream ends here."""
+    """The request was refused: the input was invalid (too long, empty, ...: a 400), or the
+    replica cannot serve (its engine died: a 503 the client may retry). The stream ends here."""
 
     message: str
     param: str | None = None
+    status_code: int = 400
+    retry_after_s: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class SeqDelta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # Set when the failure was the replica's, not the request's: retrying may succeed.
+    retry_after_s: int | None = None
 
 
 @dataclass(frozen=True)

@@ -11,22 +11,43 @@ from typing import Any
 from tokenflow.cluster.errors import bad_request
 from tokenflow.replica.model_source import resolve_model
 
+# Normalizers (NFKC, ...) can shrink text a few-fold before it is split into tokens; the
+# byte bound below allows for that, so it only refuses prompts that certainly do not fit.
+_NORMALIZER_SLACK = 4
+
 
 class PromptRenderer:
-    """Owns the ingress's tokenizer; every user mistake it finds is a 400 (`OpenAIError`)."""
+    """Owns the ingress's tokenizer; every user mistake it finds is a 400 (`OpenAIError`).
+
+    Its methods are blocking (tokenizing a long prompt takes a while): call them off the event
+    loop."""
 
     def __init__(self, tokenizer_path: str) -> None:
         self.tokenizer = resolve_model(tokenizer_path).tokenizer()
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """A completion prompt: text is encoded (with BOS); token ids pass through."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+    def check_size(self, num_bytes: int, max_model_len: int, param: str) -> None:
+        """Refuse, before tokenizing it, text whose byte length alone proves that it has more
+        tokens than `max_model_len`: no token covers more than `max_bytes_per_token` bytes."""
+        limit = max_model_len * self.tokenizer.max_bytes_per_token * _NORMALIZER_SLACK
+        if num_bytes > limit:
+            raise bad_request(
+                f"the prompt is too long: {num_bytes} bytes of text cannot fit in this "
+                f"server's context limit of max_model_len={max_model_len} tokens", param)
+
+    def encode_all(self, prompts: list[str] | list[list[int]],
+                   max_model_len: int) -> list[list[int]]:
+        """Completion prompts: text is encoded (with BOS); token ids pass through."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        self.check_size(sum(len(t.encode()) for t in texts), max_model_len, "prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    chat_template_kwargs: dict[str, Any] | None = None,
+                    max_model_len: int | None = None) -> list[int]:
         """The conversation's prompt token ids through the model's chat template."""
+        if max_model_len is not None:
+            size = sum(len(str(m.get("content") or "").encode()) for m in messages)
+            self.check_size(size, max_model_len, "messages")
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
                                                       **(chat_template_kwargs or {}))

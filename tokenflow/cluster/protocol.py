@@ -540,9 +540,10 @@ class DetokenizeResponse(BaseModel):
 
 
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
+    """One server-sent event: `data: <json>` and a blank line. Unset (None) fields are left
+    out, as OpenAI and vLLM stream them (`"role": null` would confuse clients)."""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
+        return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from tokenflow.cluster.errors import OpenAIError, error_body
+from tokenflow.cluster.errors import OpenAIError, error_body, service_unavailable
 from tokenflow.cluster.messages import Finished, SeqDelta, TokenLogprob
 from tokenflow.cluster.protocol import (
     SSE_DONE,
@@ -36,9 +36,13 @@ from tokenflow.cluster.protocol import (
 _OPENAI_FINISH_REASONS = ("stop", "length")
 
 
-def generation_failed(message: str | None) -> OpenAIError:
-    """The engine failed a request (not the client's fault): a 500 with the engine's reason."""
-    return OpenAIError(f"generation failed: {message or 'aborted'}", 500, "internal_error")
+def generation_failed(message: str | None, retry_after_s: int | None = None) -> OpenAIError:
+    """The engine failed a request (not the client's fault): a 500 with the engine's reason,
+    or a 503 with `Retry-After` when the replica failed and a retry may well succeed."""
+    text = f"generation failed: {message or 'aborted'}"
+    if retry_after_s is not None:
+        return service_unavailable(text, retry_after_s)
+    return OpenAIError(text, 500, "internal_error")
 
 
 @dataclass
@@ -49,6 +53,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    retry_after_s: int | None = None
     text_offset: int = 0  # characters of token text so far (legacy completions logprobs)
 
 
@@ -71,11 +76,12 @@ class Formatter(ABC):
             choice.logprobs.extend(d.logprobs or [])
             choice.finish_reason = d.finish_reason or choice.finish_reason
             choice.error = d.error or choice.error
+            choice.retry_after_s = d.retry_after_s or choice.retry_after_s
             prev = merged.get(d.index)
             if prev is None:
                 merged[d.index] = SeqDelta(d.index, d.text, list(d.token_ids),
                                            list(d.logprobs) if d.logprobs is not None else None,
-                                           d.finish_reason, d.error)
+                                           d.finish_reason, d.error, d.retry_after_s)
             else:
                 prev.text += d.text
                 prev.token_ids.extend(d.token_ids)
@@ -83,18 +89,19 @@ class Formatter(ABC):
                     prev.logprobs = (prev.logprobs or []) + d.logprobs
                 prev.finish_reason = d.finish_reason or prev.finish_reason
                 prev.error = d.error or prev.error
+                prev.retry_after_s = d.retry_after_s or prev.retry_after_s
         return merged
 
     def _failure(self, merged: dict[int, SeqDelta]) -> OpenAIError | None:
         for d in merged.values():
             if d.finish_reason is not None and d.finish_reason not in _OPENAI_FINISH_REASONS:
-                return generation_failed(d.error)
+                return generation_failed(d.error, d.retry_after_s)
         return None
 
     def _check_whole(self) -> None:
         for c in self.choices:
             if c.finish_reason not in _OPENAI_FINISH_REASONS:
-                raise generation_failed(c.error)
+                raise generation_failed(c.error, c.retry_after_s)
 
     @staticmethod
     def usage(finished: Finished) -> UsageInfo:

@@ -27,12 +27,14 @@ from tokenflow.cluster.messages import (
 )
 from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMetrics
 from tokenflow.config import EngineConfig
-from tokenflow.replica.async_engine import AsyncEngine
+from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
 from tokenflow.replica.llm_engine import ProcessedRequest
 from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
 from tokenflow.scheduler import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+# Serve replaces a replica whose engine died (its check_health fails) within seconds.
+ENGINE_DEAD_RETRY_S = 5
 
 
 
@@ -71,7 +73,6 @@ class LLMServer:
         self._stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(config)
         self.metrics = ServerMetrics(self.engine.model_name)
-        self._token_text: dict[int, str] = {}
         # Serve builds replicas on their event loop; outside one (a plain unit test) there is
         # simply no poller.
         try:
@@ -86,6 +87,12 @@ class LLMServer:
                        ) -> AsyncIterator[StreamEvent]:
         """Stream one request: a batch of tokenized prompts, n choices each. The first event
         is `Accepted`, or `Rejected` when the engine refuses the input (too long, ...)."""
+        try:
+            self.engine.check_health()
+        except EngineDeadError as exc:
+            yield Rejected(f"this replica cannot serve: {exc}; retry", None, 503,
+                           ENGINE_DEAD_RETRY_S)
+            return
         try:
             processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority)
                          for i, p in enumerate(prompts)]
@@ -143,27 +150,17 @@ class LLMServer:
             raise
         except Exception as exc:  # the engine died under us: end every open choice with it
             logger.warning("request %s failed: %r", processed.request_id, exc)
-            queue.put_nowait([SeqDelta(base_index + j, "", [], None, "error", str(exc))
+            retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
+            queue.put_nowait([SeqDelta(base_index + j, "", [], None, "error", str(exc), retry)
                               for j in range(tally.n) if j not in tally.finished])
         finally:
             queue.put_nowait(None)
 
-    def _delta(self, base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
-        logprobs = None if c.logprobs is None else [self._logprob(lp) for lp in c.logprobs]
+    @staticmethod
+    def _delta(base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
+        logprobs = None if c.logprobs is None else [_logprob(lp) for lp in c.logprobs]
         return SeqDelta(base_index + c.index, c.text, list(c.token_ids), logprobs,
                         c.finish_reason, error if c.finish_reason == "error" else None)
-
-    def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
-        top = [(self._text_of(t), v) for t, v in zip(lp.token_ids[1:], lp.logprobs[1:],
-                                                    strict=True)]
-        return TokenLogprob(self._text_of(lp.token_ids[0]), lp.logprobs[0], top)
-
-    def _text_of(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.engine.tokenizer.decode(
-                [token_id], skip_special_tokens=False)
-        return text
 
     def _record(self, out: RequestOutput, tally: _Tally, received_time: float | None) -> None:
         m = out.metrics
@@ -218,3 +215,10 @@ class LLMServer:
             engine.shutdown()
         if getattr(self, "_poller", None) is not None:
             self._poller.cancel()
+
+
+def _logprob(lp: TokenLogprobs) -> TokenLogprob:
+    """The engine's decoded logprobs at one position, in the stream's shape."""
+    assert lp.decoded is not None, "the output processor spells out logprob tokens"
+    return TokenLogprob(lp.decoded[0], lp.logprobs[0],
+                        list(zip(lp.decoded[1:], lp.logprobs[1:], strict=True)))

@@ -88,6 +88,10 @@ class AsyncEngine:
     def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        try:
+            self.engine.check_health()
+        except Exception as exc:
+            raise EngineDeadError(f"the model executor failed: {exc}") from exc
 
     def process_inputs(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,

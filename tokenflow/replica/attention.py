@@ -9,7 +9,7 @@ the request's whole context through its row of `block_table`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -30,15 +30,20 @@ class PrefillSpan:
     token_end: int
     seq_len: int
     # Blocks holding its context [ceil(seq_len / block_size)]; None when the context is exactly
-    # this step's tokens, which are then used directly with a plain causal mask.
+    # this step's tokens, which are then used directly.
     block_ids: torch.Tensor | None
-    # [query_len, seq_len] additive mask: query i sees keys 0 .. seq_len - query_len + i.
+    # [query_len, seq_len] additive mask: query i sees keys 0 .. seq_len - query_len + i (and,
+    # under a sliding window, none more than window - 1 behind it); None: plain causal.
     mask: torch.Tensor | None
 
 
 @dataclass
 class AttentionMetadata:
-    """Everything the attention of one step needs, built once per step and shared by all layers."""
+    """Everything the attention of one step needs, built once per step and shared by all layers.
+
+    A layer with a sliding window asks `for_window(w)` for a variant whose masks also hide
+    keys more than `w - 1` positions behind each query (built once per step and window).
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot (block_id * block_size + offset)
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
@@ -56,6 +61,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, decode_blocks * block_size] additive
     decodes_lead: bool  # the decodes are exactly tokens [0, num_decodes) of the batch
     prefills: list[PrefillSpan]
+    window: int | None = None  # keys a query sees, itself included; None = all before it
+    _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+    _host: tuple[np.ndarray, np.ndarray, np.ndarray, torch.device | str, torch.dtype] | None = (
+        field(default=None, repr=False))
 
     @property
     def num_decodes(self) -> int:
@@ -72,6 +81,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        window: int | None = None,
     ) -> AttentionMetadata:
         """From host arrays; `dtype` is the model's (the masks are added to its scores)."""
         qsl = np.asarray(query_start_loc, dtype=np.int64)
@@ -79,7 +89,7 @@ class AttentionMetadata:
         table = np.asarray(block_table, dtype=np.int64).reshape(len(seq), -1)
         qlens = np.diff(qsl)
         dec = np.flatnonzero(qlens == 1)
-        ids, mask = _decode_gather(table[dec], seq[dec], block_size)
+        ids, mask = _decode_gather(table[dec], seq[dec], block_size, window)
 
         def put(a: np.ndarray, dt: np.dtype | type) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device)
@@ -100,24 +110,43 @@ class AttentionMetadata:
             decode_mask=put(mask, np.float32).to(dtype),
             decodes_lead=bool(np.array_equal(qsl[dec], np.arange(len(dec)))),
             prefills=[
-                _prefill_span(
-                    int(qsl[r]), int(qlens[r]), int(seq[r]), table[r], block_size, device, dtype
-                )
+                _prefill_span(int(qsl[r]), int(qlens[r]), int(seq[r]), table[r], block_size,
+                              device, dtype, window)
                 for r in np.flatnonzero(qlens > 1)
             ],
+            window=window,
+            _host=(qsl, seq, table, device, dtype),
         )
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer whose queries see only their last `window` keys."""
+        if window is None or window >= self.max_seq_len:
+            return self  # no context reaches past the window: plain causal attention
+        variant = self._windowed.get(window)
+        if variant is None:
+            assert self._host is not None
+            qsl, seq, table, device, dtype = self._host
+            variant = self._windowed[window] = AttentionMetadata.build(
+                slot_mapping=self.slot_mapping.cpu().numpy(), block_table=table,
+                query_start_loc=qsl, seq_lens=seq, block_size=self.block_size,
+                device=device, dtype=dtype, window=window)
+        return variant
 
 
 def _decode_gather(
-    table: np.ndarray, seq: np.ndarray, block_size: int
+    table: np.ndarray, seq: np.ndarray, block_size: int, window: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Block ids to gather for the decodes, padded to the longest, and the mask of the padding."""
+    """Block ids to gather for the decodes, padded to the longest, and the mask of the padding
+    (and of keys outside the window)."""
     nblocks = -(-int(seq.max(initial=0)) // block_size)
     ids = table[:, :nblocks].copy()  # [num_decodes, nblocks]
     # Entries past a request's own blocks may be stale or -1: point them at block 0, masked out.
     ids[np.arange(nblocks)[None, :] >= -(-seq[:, None] // block_size)] = 0
     keys = np.arange(nblocks * block_size)[None, :]
-    mask = np.where(keys < seq[:, None], 0.0, -np.inf)  # [num_decodes, nblocks * block_size]
+    visible = keys < seq[:, None]
+    if window is not None:  # the query sits at seq - 1
+        visible &= keys >= seq[:, None] - window
+    mask = np.where(visible, 0.0, -np.inf)  # [num_decodes, nblocks * block_size]
     return ids.reshape(-1), mask[:, None, None, :]
 
 
@@ -129,12 +158,20 @@ def _prefill_span(
     block_size: int,
     device: torch.device | str,
     dtype: torch.dtype,
+    window: int | None,
 ) -> PrefillSpan:
-    if qlen == seq_len:
+    windowed = window is not None and window < seq_len
+    if qlen == seq_len and not windowed:
         return PrefillSpan(start, start + qlen, seq_len, None, None)
-    ids = torch.from_numpy(np.ascontiguousarray(row[: -(-seq_len // block_size)])).to(device)
+    ids = None
+    if qlen < seq_len:
+        ids = torch.from_numpy(np.ascontiguousarray(row[: -(-seq_len // block_size)])).to(device)
     # Causal with an offset: the queries are the last qlen of seq_len positions.
-    visible = np.arange(seq_len)[None, :] <= np.arange(qlen)[:, None] + (seq_len - qlen)
+    query_pos = np.arange(qlen)[:, None] + (seq_len - qlen)
+    keys = np.arange(seq_len)[None, :]
+    visible = keys <= query_pos
+    if windowed:
+        visible &= keys > query_pos - window
     mask = torch.from_numpy(np.where(visible, 0.0, -np.inf)).to(device=device, dtype=dtype)
     return PrefillSpan(start, start + qlen, seq_len, ids, mask)
 
@@ -303,6 +340,8 @@ class FlashAttentionBackend:
             max_seqlen_k=meta.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            # A query sees itself and the window - 1 keys before it.
+            window_size=(-1, -1) if meta.window is None else (meta.window - 1, 0),
             block_table=meta.block_table,
         )
 

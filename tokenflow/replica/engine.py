@@ -1,11 +1,13 @@
-"""EngineCore: the step loop of one replica. schedule -> execute -> update."""
+"""EngineCore: the step loop of one replica. schedule -> execute -> update, with up to one
+batch in flight per pipeline stage."""
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.executor import InProcExecutor, build_executor
+from tokenflow.replica.executor import Executor, StepResult, build_executor
 from tokenflow.scheduler import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -20,19 +22,28 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler and the executor; one `step()` is one batch through the model.
+    """Owns the scheduler, the executor and the batches in flight.
+
+    With P pipeline stages, up to P batches are in flight (a batch queue), so every stage has
+    work: `step()` schedules and sends off a batch, returns at once while the queue has room
+    and the scheduler found work, and otherwise waits for the oldest batch and applies its
+    results. A request in an unfinished batch has nothing left to compute (its
+    `num_computed_tokens` already counts the batch), so the scheduler skips it until its
+    sampled token arrives. With one stage this is schedule -> execute -> update.
 
     It is the one place the layers above ask about the model's limits (`max_model_len`,
     `vocab_size`) and the KV cache, so none of them reaches into the scheduler or executor.
     """
 
-    def __init__(self, config: EngineConfig, executor: InProcExecutor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         self.config = config
         self.executor = executor or build_executor(config)
         self.max_model_len = self.executor.max_model_len
         self.vocab_size = self.executor.vocab_size
         self.scheduler = build_scheduler(config.scheduler, config.cache,
                                          self.executor.num_blocks, self.max_model_len)
+        self._max_in_flight = config.parallel.pipeline_parallel_size
+        self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -49,26 +60,37 @@ class EngineCore:
         return self.scheduler.kv_cache_blocks()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (a pipeline stage died)."""
+        self.executor.check_health()
 
     def step(self) -> EngineCoreOutputs:
-        sched_out = self.scheduler.schedule()
+        if len(self._in_flight) < self._max_in_flight:
+            sched_out = self.scheduler.schedule()
+            # Workers must hear of finished and preempted requests even when nothing runs.
+            if (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids
+                    or sched_out.preempted_req_ids):
+                try:
+                    self._in_flight.append((sched_out, self.executor.execute_model(sched_out)))
+                except Exception as exc:  # the executor cannot take it (a stage died)
+                    return self._fail(sched_out, exc)
+                if (sched_out.total_num_scheduled_tokens
+                        and len(self._in_flight) < self._max_in_flight):
+                    return EngineCoreOutputs()  # fill the pipeline first
+            elif not self._in_flight:
+                return self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
+        sched_out, result = self._in_flight.popleft()
         try:
-            runner_out = self._execute(sched_out)
+            runner_out = result.result()
         except Exception as exc:  # one failed batch must not kill the loop
-            logger.exception("step failed; finishing its %d requests with an error",
-                             len(sched_out.num_scheduled_tokens))
             return self._fail(sched_out, exc)
         return self.scheduler.update_from_output(sched_out, runner_out)
 
-    def _execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        # Workers must hear of finished and preempted requests even when nothing runs.
-        if (sched_out.total_num_scheduled_tokens == 0 and not sched_out.finished_req_ids
-                and not sched_out.preempted_req_ids):
-            return ModelRunnerOutput([], [])
-        return self.executor.execute_model(sched_out)
-
     def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> EngineCoreOutputs:
+        logger.error("step failed; finishing its %d requests with an error: %s",
+                     len(sched_out.num_scheduled_tokens), exc, exc_info=exc)
         req_ids = list(sched_out.num_scheduled_tokens)
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ERROR)
         message = f"{type(exc).__name__}: {exc}"

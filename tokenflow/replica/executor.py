@@ -1,14 +1,41 @@
-"""Executors run a step on the workers: in-process (one Worker) or over Ray actors."""
+"""Executors run a step on the workers: in-process (one Worker) or over Ray actors (one per
+pipeline stage, `ray_executor.RayExecutor`). The engine depends on the `Executor` protocol."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol
 
 from tokenflow.config import EngineConfig, resolve_max_model_len
 from tokenflow.replica.worker import Worker
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
+class StepResult(Protocol):
+    """A step in flight; `result()` waits for its sampled tokens or raises its failure."""
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput: ...
+
+
+class Executor(Protocol):
+    """Runs steps on the model. `num_blocks` is the KV block count every stage holds (the
+    smallest any stage can), `max_model_len` the engine's one context limit derived from it.
+    `execute_model` returns at once, so the engine can keep several batches in flight."""
+
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+
+    def execute_model(self, sched_out: SchedulerOutput) -> StepResult: ...
+
+    def check_health(self) -> None:
+        """Raise if a step can no longer run (a stage died)."""
+
+    def shutdown(self) -> None: ...
+
+
 class InProcExecutor:
-    """Owns one Worker holding every layer, in this process."""
+    """Owns one Worker holding every layer, in this process; its steps are done on return."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel.pipeline_parallel_size != 1:
@@ -20,17 +47,26 @@ class InProcExecutor:
         self.vocab_size = self.worker.arch.vocab_size
         self.worker.init_cache(self.num_blocks, self.max_model_len)
 
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.worker.execute_model(sched_out)
-        assert isinstance(out, ModelRunnerOutput)
-        return out
+    def execute_model(self, sched_out: SchedulerOutput) -> StepResult:
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            out = self.worker.execute_model(sched_out)
+            assert isinstance(out, ModelRunnerOutput)
+            future.set_result(out)
+        except Exception as exc:  # delivered where the engine waits for the step
+            future.set_exception(exc)
+        return future
+
+    def check_health(self) -> None:
+        pass
 
     def shutdown(self) -> None:
-        self.worker.runner = None
+        self.worker.shutdown()
 
 
-def build_executor(config: EngineConfig) -> InProcExecutor:
-    kind = config.parallel.executor
-    if kind == "ray" or (kind == "auto" and config.parallel.pipeline_parallel_size > 1):
-        raise NotImplementedError("the Ray pipeline executor is not built yet")
+def build_executor(config: EngineConfig) -> Executor:
+    if config.parallel.uses_ray:
+        from tokenflow.replica.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     return InProcExecutor(config)

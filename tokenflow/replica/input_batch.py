@@ -19,10 +19,13 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     row: int
+    eos_token_id: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_blocks: int = 0
     num_computed_tokens: int = 0
-    prompt_logprobs_started: bool = False
+    # Prompt positions whose logprob entry was already sent (recomputing after a preemption
+    # must not send them twice).
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +74,7 @@ class InputBatch:
                 self.states[req_id].num_blocks = 0
         for new in out.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids),
-                                       new.sampling_params, self._take_row())
+                                       new.sampling_params, self._take_row(), new.eos_token_id)
             self.states[new.req_id] = state
             self.token_ids[state.row, :len(new.prompt_token_ids)] = new.prompt_token_ids
             self._append_blocks(state, new.block_ids)

@@ -133,6 +133,9 @@ class LLMEngine:
             self.core.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
         return outputs
 
+    def check_health(self) -> None:
+        self.core.check_health()
+
     def kv_cache_blocks(self) -> tuple[int, int]:
         """(free blocks, total blocks) of the KV cache now."""
         return self.core.kv_cache_blocks()

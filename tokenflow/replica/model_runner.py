@@ -75,7 +75,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._tensor(last_token.astype(np.int64))])
             meta = SamplingMetadata.build(
                 [s.sampling_params for s in rows], [s.output_token_ids for s in rows],
-                [s.prompt_token_ids for s in rows], self.device)
+                [s.prompt_token_ids for s in rows], self.device,
+                [s.eos_token_id for s in rows])
             result = self.sampler(logits, meta)
             token_ids = result.sampled_token_ids.tolist()
             for j, i in enumerate(sample_idx):
@@ -88,7 +89,10 @@ class ModelRunner:
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          states: list[CachedRequestState]) -> dict[str, list[TokenLogprobs | None]] | None:
         """Logprob of each prompt token given the ones before it, for this step's chunk.
-        Positions a prefix-cache hit skipped have no logits and are reported as None."""
+
+        Entry j is prompt token j's (token 0 has none: None). Such a request skips the prefix
+        cache, so every position is computed here; a chunk recomputed after a preemption
+        sends only entries not sent before."""
         result: dict[str, list[TokenLogprobs | None]] = {}
         for i, state in enumerate(states):
             num_top = state.sampling_params.prompt_logprobs
@@ -97,18 +101,19 @@ class ModelRunner:
             if num_top is None or start >= num_prompt:
                 continue
             end = min(int(inputs.seq_lens[i]) + 1, num_prompt)
-            # The first chunk pads token 0 and any prefix-cache hit with None.
-            entries: list[TokenLogprobs | None] = (
-                [] if state.prompt_logprobs_started else [None] * (start + 1))
-            state.prompt_logprobs_started = True
-            q0 = int(inputs.query_start_loc[i])
-            # Position p predicts prompt token p + 1.
-            targets = state.prompt_token_ids[start + 1:end]
+            done = state.num_prompt_logprobs
+            entries: list[TokenLogprobs | None] = [None] * max(0, start + 1 - done)
+            first = max(start + 1, done)  # first prompt token this chunk reports
+            # Position p predicts prompt token p + 1: token `first` is row first - 1 - start.
+            row = int(inputs.query_start_loc[i]) + first - 1 - start
+            targets = state.prompt_token_ids[first:end]
             if targets:
-                logits = self.model.compute_logits(hidden[q0:q0 + len(targets)])
+                logits = self.model.compute_logits(hidden[row:row + len(targets)])
                 lps = torch.log_softmax(logits, dim=-1)
                 entries.extend(_token_logprobs(lps, targets, num_top))
-            result[state.req_id] = entries
+            state.num_prompt_logprobs = max(done, end)
+            if entries:
+                result[state.req_id] = entries
         return result or None
 
 

@@ -68,12 +68,14 @@ class _Child:
 
 
 class OutputProcessor:
-    """Owns the per-sequence detokenizers and groups the n sequences of one request."""
+    """Owns the per-sequence detokenizers, groups the n sequences of one request, and spells
+    out the tokens of logprobs (with a cache: the same few thousand tokens recur)."""
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, _Child] = {}
+        self._token_text: dict[int, str] = {}
 
     def add_request(self, request_id: str, child_ids: list[str], prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -120,8 +122,18 @@ class OutputProcessor:
             deltas.append(self._delta(child, completion, out, error, now))
         return deltas, to_finish
 
+    def _decode_logprobs(self, entries: list[TokenLogprobs] | None) -> None:
+        if not entries or self.tokenizer is None:
+            return
+        cache, decode = self._token_text, self.tokenizer.decode
+        for lp in entries:
+            if lp is not None:
+                lp.decoded = [cache.get(t) or cache.setdefault(
+                    t, decode([t], skip_special_tokens=False)) for t in lp.token_ids]
+
     def _advance(self, child: _Child, out: EngineCoreOutput
                  ) -> tuple[CompletionOutput, str | None]:
+        self._decode_logprobs(out.new_logprobs)
         completion = CompletionOutput(child.index, "", out.new_token_ids, out.new_logprobs,
                                       out.finish_reason, out.stop_reason)
         error = out.error

@@ -1,7 +1,7 @@
 """Token sampling for one step: penalties, logprobs, greedy and random rows, seeded rows.
 
-Order, per row: penalties (repetition, then frequency and presence) -> logprobs -> greedy argmax
-or temperature -> min_p -> top_k -> top_p -> sample.
+Order, per row: penalties (repetition, then frequency and presence) -> logprobs -> stop tokens
+masked until `min_tokens` -> greedy argmax or temperature -> min_p -> top_k -> top_p -> sample.
 
 Logprobs are "raw" in vLLM's sense, taken after the penalties: log_softmax of the penalized
 logits, BEFORE temperature and the top-k/top-p/min-p filters. They therefore describe the
@@ -52,6 +52,8 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row
     seeds: list[int | None]  # per row
     output_positions: list[int]  # per row: index of the output token being sampled
+    # (rows, token ids) that may not be sampled yet: EOS and stop ids before `min_tokens`.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -60,8 +62,10 @@ class SamplingMetadata:
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
         device: torch.device | str = "cpu",
+        eos_token_ids: list[int | None] | None = None,
     ) -> SamplingMetadata:
-        """Build from the batch's rows, in row order: their params, outputs so far and prompts."""
+        """Build from the batch's rows, in row order: their params, outputs so far, prompts and
+        (for `min_tokens`) their EOS ids."""
         if not (len(params) == len(output_token_ids) == len(prompt_token_ids)):
             raise ValueError("params, output_token_ids and prompt_token_ids differ in length")
         greedy = [p.greedy for p in params]
@@ -105,7 +109,30 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             seeds=[p.seed for p in params],
             output_positions=[len(out) for out in output_token_ids],
+            banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, device),
         )
+
+
+def _min_tokens_bans(params: list[SamplingParams], output_token_ids: list[list[int]],
+                     eos_token_ids: list[int | None] | None, device: torch.device | str
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs of the stop tokens of rows still short of their `min_tokens`, as HF's
+    `min_new_tokens` and vLLM mask them: such a token is never sampled, not sampled and then
+    ignored."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, p in enumerate(params):
+        if p.min_tokens and len(output_token_ids[row]) < p.min_tokens:
+            stops = set(p.stop_token_ids)
+            eos = eos_token_ids[row] if eos_token_ids else None
+            if eos is not None and not p.ignore_eos:
+                stops.add(eos)
+            rows.extend([row] * len(stops))
+            cols.extend(stops)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(cols, dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -138,6 +165,9 @@ class Sampler:
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if meta.banned is not None:
+            logits = logits.index_put(meta.banned, torch.tensor(float("-inf"),
+                                                                device=logits.device))
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif meta.all_random:

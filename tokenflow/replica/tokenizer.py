@@ -7,6 +7,7 @@ without importing transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Texts longer than this are encoded through the batch API, which lets other threads run.
+_LONG_TEXT_CHARS = 4096
 
 
 class Tokenizer:
@@ -84,7 +87,16 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _LONG_TEXT_CHARS:
+            # encode_batch releases the GIL while it works; encode holds it throughout.
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token stands for (special tokens
+        included): a vocabulary entry is never shorter than the text it covers."""
+        return max(len(token.encode()) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean_up_tokenization_spaces: transformers 5 and vLLM skip it for BPE too.

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from tokenflow.config import EngineConfig
 from tokenflow.replica.loader import load_model, resolve_dtype
-from tokenflow.replica.model_runner import IntermediateTensors, ModelRunner
+from tokenflow.replica.model_runner import ModelRunner
 from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.pipeline import StagePipe, free_port, stage_layer_ranges
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -19,15 +22,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Worker:
-    """Owns one stage's model, KV cache tensors and ModelRunner.
+@dataclass
+class StageTimings:
+    """Where one stage's time went, summed over steps since the last `take_timings()`:
+    waiting for the previous stage's activations, running its layers, handing them on."""
 
-    The same class runs in-process (InProcExecutor) and inside a Ray actor (RayExecutor).
-    Built in two steps: the weights first, then, once the engine has chosen the block count
-    and the context limit for every stage, the cache (`init_cache`).
+    steps: int = 0
+    recv_s: float = 0.0
+    compute_s: float = 0.0
+    send_s: float = 0.0
+
+
+class Worker:
+    """Owns one stage's model, KV cache tensors, ModelRunner and pipeline hand-off.
+
+    The same class runs in-process (InProcExecutor) and as a Ray actor (RayExecutor). Built in
+    steps: the weights of stage `stage`'s layers; then, with several stages, the process
+    group (`init_pipe`); then, once the engine chose the block count and context limit for
+    every stage, the cache (`init_cache`). A stage after the first receives its input from the
+    one before, a stage before the last sends its output on: the worker owns that, so the
+    runner and the executor never pass activations around.
     """
 
-    def __init__(self, config: EngineConfig, layer_range: tuple[int, int] | None = None,
+    def __init__(self, config: EngineConfig, stage: int = 0,
                  device: torch.device | None = None) -> None:
         self.config = config
         self.device = device or resolve_device(config.model.device)
@@ -35,23 +52,46 @@ class Worker:
             torch.set_num_threads(config.model.num_threads or len(os.sched_getaffinity(0)))
         source = resolve_model(config.model.model)
         self.arch = source.arch_config()
+        parallel = config.parallel
+        self.stage = stage
+        self.layer_range = stage_layer_ranges(self.arch.num_layers,
+                                              parallel.pipeline_parallel_size,
+                                              parallel.stage_layers)[stage]
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
         self.model = load_model(source, dtype=self.dtype, device=self.device,
-                                load_format=config.model.load_format, layer_range=layer_range,
-                                seed=config.model.seed)
+                                load_format=config.model.load_format,
+                                layer_range=self.layer_range, seed=config.model.seed)
         self.runner: ModelRunner | None = None
+        self.pipe: StagePipe | None = None
+        self.timings = StageTimings()
 
     @property
     def num_layers(self) -> int:
-        return self.model.layer_end - self.model.layer_start
+        return self.layer_range[1] - self.layer_range[0]
 
+    # ------------------------------------------------------------------ pipeline group
+    def rendezvous_address(self, node_ip: str) -> tuple[str, int]:
+        """Where stage 0 hosts its group's rendezvous: its node IP and a free port."""
+        return node_ip, free_port(node_ip)
+
+    def init_pipe(self, master: tuple[str, int], node_ip: str) -> None:
+        """Join the replica's process group (blocks until every stage joined)."""
+        parallel = self.config.parallel
+        backend = parallel.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.pipe = StagePipe(self.stage, parallel.pipeline_parallel_size, backend, master,
+                              node_ip, parallel.step_timeout_s)
+
+    # ------------------------------------------------------------------------- cache
     def bytes_per_block(self) -> int:
         arch, cache = self.arch, self.config.cache
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cache.block_size * arch.num_kv_heads * arch.head_dim * elem * self.num_layers
 
     def num_blocks_available(self) -> int:
-        """Blocks this stage can hold: the configured count, or what the memory budget fits."""
+        """Blocks this stage can hold: the configured count, or what the memory budget fits
+        for this stage's own layers."""
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -66,8 +106,40 @@ class Worker:
                                   max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed)
 
-    def execute_model(self, sched_out: SchedulerOutput,
-                      intermediate: IntermediateTensors | None = None
-                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+    # -------------------------------------------------------------------------- step
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run this stage's part of one step; the last stage returns the sampled tokens."""
         assert self.runner is not None, "init_cache() first"
-        return self.runner.execute_model(sched_out, intermediate)
+        pipe, timings = self.pipe, self.timings
+        t0 = time.perf_counter()
+        intermediate = None
+        if pipe is not None and not pipe.is_first and sched_out.total_num_scheduled_tokens:
+            intermediate = pipe.recv(sched_out.total_num_scheduled_tokens,
+                                     self.arch.hidden_size, self.dtype, self.device)
+        t1 = time.perf_counter()
+        out = self.runner.execute_model(sched_out, intermediate)
+        t2 = time.perf_counter()
+        if pipe is not None and not pipe.is_last:
+            if out is not None:
+                pipe.send(out)  # type: ignore[arg-type]
+            out = None
+        timings.steps += 1
+        timings.recv_s += t1 - t0
+        timings.compute_s += t2 - t1
+        timings.send_s += time.perf_counter() - t2
+        return out  # type: ignore[return-value]
+
+    def take_timings(self) -> dict[str, float]:
+        """This stage's `StageTimings` since the last call."""
+        taken, self.timings = self.timings, StageTimings()
+        return asdict(taken)
+
+    def ping(self) -> int:
+        return self.stage
+
+    def shutdown(self) -> None:
+        if self.pipe is not None:
+            self.pipe.wait_sends()
+            self.pipe.close()
+            self.pipe = None
+        self.runner = None

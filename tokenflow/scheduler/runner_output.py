@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 @dataclass
 class TokenLogprobs:
-    """Logprobs at one position: the chosen token first, then the top-N in rank order."""
+    """Logprobs at one position: the chosen token first, then the top-N in rank order.
+    `decoded` (each token's text) is filled in by the engine's output processor."""
 
     token_ids: list[int]
     logprobs: list[float]
     sampled_rank: int
+    decoded: list[str] | None = None
 
 
 @dataclass

@@ -101,8 +101,10 @@ class Attention(nn.Module):
     The KV cache belongs to the caller and the kernel to the shared backend.
     """
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim, self.scale = arch.head_dim, arch.head_dim**-0.5
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -125,5 +127,6 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm.normalize(qkv[:, :heads]), rope)
             k = apply_rope(self.k_norm.normalize(qkv[:, heads : heads + kv_heads]), rope)
+        meta = meta.for_window(self.sliding_window)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))  # [T, H * D] in

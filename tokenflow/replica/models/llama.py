@@ -19,10 +19,10 @@ from tokenflow.replica.models.layers import Attention, GatedMLP, RMSNorm, Rope, 
 class DecoderLayer(nn.Module):
     """One transformer block: owns its attention, its MLP and the two norms before them."""
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
+        self.self_attn = Attention(arch, backend, arch.sliding_window(layer))
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
@@ -66,7 +66,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = (
             nn.Embedding(arch.vocab_size, arch.hidden_size) if self.is_first_stage else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(start, end))
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, i) for i in range(start, end))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last_stage else None
         own_head = self.is_last_stage and not (arch.tie_word_embeddings and self.is_first_stage)
         self.lm_head = (
@@ -110,4 +110,4 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(CausalLM):
-    """Mistral: the Llama architecture. Its sliding window is ignored (full attention)."""
+    """Mistral: the Llama architecture, with a sliding attention window on every layer."""

@@ -1,0 +1,192 @@
+"""`tokenflow serve` as a user runs it: its own cluster, whatever else runs on the machine; a
+clear error for a port in use; and an exit, not a silent hang, when Ray dies under it.
+
+Every Ray process here is started by this test (as a child of a process it started) and is
+killed by process group and by PID; a private RAY_TMPDIR keeps the `ray start` cluster's
+address file away from every other Ray user of the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.cluster.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+engine:
+  model: {model: tokenflow-tiny}
+  cache: {block_size: 16, num_blocks: 64}
+  scheduler: {max_model_len: 256, max_num_batched_tokens: 256}
+deployment:
+  num_replicas: 1
+  ray_actor_options: {num_cpus: 0.5}
+"""
+READY = "serving the OpenAI API"
+
+
+class ServeProcess:
+    """Owns one `tokenflow serve` subprocess (its own process group) and its stderr lines."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenflow.cli", "serve", *args], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, text: str, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} from tokenflow serve:\n" + self.output)
+            time.sleep(0.2)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def ray_processes(self) -> list[psutil.Process]:
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        return [p for p in children if p.name() in ("raylet", "gcs_server")]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=120)
+        self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        kill_tree(self.proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process we started, its process group and every descendant, then reap it."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    # A short private temp dir: Ray's socket paths must stay under 108 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(CONFIG)
+    variables = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    variables.update(RAY_TMPDIR=ray_tmp, TOKENFLOW_TEST_CONFIG=str(config),
+                     PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    yield variables
+    subprocess.run(["rm", "-rf", ray_tmp], check=False)
+
+
+def _answers(port: int) -> bool:
+    try:
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"prompt": "hi", "max_tokens": 2})
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200
+
+
+def test_serve_starts_its_own_cluster_and_stops_only_what_it_started(env: dict[str, str]
+                                                                     ) -> None:
+    # A cluster started by `ray start`, named in Ray's temp dir: a plain ray.init() joins it.
+    head_port = free_port()
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", f"--port={head_port}", "--num-cpus=1",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = second = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (Path(env["RAY_TMPDIR"]) / "ray" / "ray_current_cluster").exists():
+            assert head.poll() is None and time.monotonic() < deadline, "ray start failed"
+            time.sleep(0.5)
+        port1, port2 = free_port(), free_port()
+        first = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port",
+                              str(port1)], env)
+        first.wait_for(READY)
+        second = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port",
+                               str(port2)], env)
+        second.wait_for(READY)
+        assert _answers(port1) and _answers(port2)
+        # Each server runs its own cluster: its own raylet, not the `ray start` one.
+        assert first.ray_processes() and second.ray_processes()
+        assert second.stop() == 0
+        assert _answers(port1), "stopping the second server broke the first"
+        # A port in use is a clear error, before anything starts.
+        busy = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port", str(port1)],
+                            env)
+        assert busy.proc.wait(timeout=120) == 2
+        busy.kill()
+        assert f"cannot serve on 127.0.0.1:{port1}" in busy.output
+        assert _answers(port1)
+        assert head.poll() is None, "the `ray start` cluster was shut down"
+    finally:
+        for server in (first, second):
+            if server is not None:
+                server.kill()
+        kill_tree(head)
+
+
+def test_serve_exits_when_ray_dies_under_it(env: dict[str, str]) -> None:
+    port = free_port()
+    server = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port", str(port)], env)
+    try:
+        server.wait_for(READY)
+        assert _answers(port)
+        for process in server.ray_processes():
+            process.kill()
+        assert server.proc.wait(timeout=120) == 1
+        assert "died; exiting" in server.output
+    finally:
+        server.kill()
+
+
+def test_the_watch_notices_a_port_that_stops_answering() -> None:
+    import socket
+
+    from tokenflow.cluster import launcher
+    from tokenflow.config import AppConfig
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    watch = launcher.ClusterWatch(AppConfig(port=listener.getsockname()[1]), started_ray=False)
+    closer = threading.Timer(2 * launcher.POLL_S, listener.close)
+    closer.start()
+    problem = launcher._serve_until_stopped(watch)  # returns, does not hang
+    closer.join()
+    assert problem is not None and "stopped answering" in problem

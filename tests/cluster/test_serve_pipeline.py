@@ -1,0 +1,92 @@
+"""A pipeline-parallel replica served by Ray Serve: the `openai` client gets the tokens of an
+unsplit engine; a killed stage gives errors, not a hang, and Serve brings the replica back; a
+deleted app leaves no stage actor and no placement group."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+import pytest
+import ray
+from ray import serve
+
+from tests.cluster.conftest import API_KEY, ENGINE_ARGS, App, Cluster, deploy
+from tests.replica.test_pipeline import _live_actors_and_groups
+from tokenflow.config import EngineConfig
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tokenflow-tiny"
+APP = "pp2"
+PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+PP2_ENGINE: dict[str, Any] = {
+    **ENGINE_ARGS, "model": {"model": MODEL, "num_threads": 1},
+    "parallel": {"pipeline_parallel_size": 2, "stage_num_cpus": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def pp_app(cluster: Cluster) -> Any:
+    before = _live_actors_and_groups()
+    app = deploy(cluster, APP, "/pp2", {
+        "engine": PP2_ENGINE, "api_key": API_KEY,
+        "deployment": {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0}}})
+    yield app
+    serve.delete(APP)
+    deadline = time.monotonic() + 120
+    while _live_actors_and_groups() != before:
+        assert time.monotonic() < deadline, f"left behind: {_live_actors_and_groups()}"
+        time.sleep(0.5)
+
+
+def _client(app: App) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url + "/v1", api_key=API_KEY, max_retries=0,
+                         timeout=120)
+
+
+def test_served_pp2_equals_the_unsplit_engine(pp_app: App) -> None:
+    offline = LLM(config=EngineConfig.model_validate(ENGINE_ARGS))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    client = _client(pp_app)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[0]
+
+
+def _stage_actors() -> list[Any]:
+    """Handles to the live pipeline stage actors (named `tokenflow-stage<k>-<id>`)."""
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("tokenflow-stage")]
+
+
+def test_a_killed_stage_errors_then_serve_replaces_the_replica(pp_app: App) -> None:
+    client = _client(pp_app)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+    stages = _stage_actors()
+    assert len(stages) == 2
+    ray.kill(stages[1], no_restart=True)
+    # The replica's next requests fail fast (503 to retry) rather than hang...
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+        for _ in range(5):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            time.sleep(0.5)
+    # ...and Serve, whose health check now fails, replaces it with a working one.
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                            extra_body={"ignore_eos": True})
+            break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and time.monotonic() < deadline, exc
+            time.sleep(1)
+    assert out.usage.completion_tokens == 2

@@ -1,0 +1,55 @@
+"""The session's single-node Ray cluster (and Serve instance), on 127.0.0.1 only.
+
+It starts when the first test that needs it runs (most tests never do) and stops at the end of
+the session; every test that needs Ray in this process shares it (Ray allows one per process).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports ray: a single-node cluster on loopback addresses only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The session's Ray cluster: Serve's HTTP address and the Prometheus export port."""
+
+    http_url: str
+    metrics_port: int
+    gcs_address: str
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    http_port, metrics_port = free_port(), free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             # Export metrics every second instead of every 10, for the metrics test.
+             _system_config={"metrics_report_interval_ms": 1000})
+    gcs_address = ray.get_runtime_context().gcs_address
+    assert gcs_address.startswith("127.0.0.1:"), (
+        f"Ray listens on {gcs_address}: something imported ray before this conftest could set "
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; set it in the environment or a root conftest")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    try:
+        yield Cluster(f"http://127.0.0.1:{http_port}", metrics_port, gcs_address)
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP surface as plain code: `OpenAIServing` holds what every route
+does, `build_openai_app(serving)` wires it into a FastAPI app.
+
+The same app runs inside the Serve ingress deployment (its backend reaches `LLMServer`
+replicas through a DeploymentHandle) and in-process in tests (its backend is an `LLMServer`
+object), so the tests exercise the real routes.
+
+A route checks the API key, validates the body against `cluster.protocol` (a bad one is a 400
+with OpenAI's error JSON before anything reaches an engine), checks the model name, tokenizes
+off the event loop (a huge prompt must not stall other clients; one whose byte length alone
+proves it too long is refused before tokenizing), and forwards token ids to the backend. The
+replica validates against the model (prompt too long, ids outside the vocabulary): its first
+stream event says `Accepted` or `Rejected`, so a client's mistake is a 400 before any byte of the
+response is sent. Leaving a stream early (the client disconnected) cancels the backend call,
+which aborts the engine requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from tokenflow.cluster.errors import (
+    OpenAIError,
+    bad_request,
+    install_error_handlers,
+    internal_error,
+    not_found,
+    unauthorized,
+)
+from tokenflow.cluster.messages import Accepted, Finished, Rejected, StreamEvent
+from tokenflow.cluster.prompts import PromptRenderer
+from tokenflow.cluster.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    parse_request,
+)
+from tokenflow.cluster.responses import ChatFormatter, CompletionFormatter, Formatter
+from tokenflow.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationStream(Protocol):
+    """One request's stream of `StreamEvent`s from a backend; `cancel` abandons it."""
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+
+    async def __anext__(self) -> StreamEvent: ...
+
+    def cancel(self) -> None: ...
+
+
+class GenerationBackend(Protocol):
+    """Where requests go: `LLMServer` replicas, through a Serve handle or in-process."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                 priority: int, received_time: float) -> GenerationStream: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
+
+    async def check_health(self) -> None:
+        """Raise if no engine can serve requests; must answer at once, whatever the load."""
+
+
+class _LocalStream:
+    """A `GenerationStream` over an in-process async generator of events."""
+
+    def __init__(self, events: AsyncIterator[StreamEvent]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        return await self._events.__anext__()
+
+    def cancel(self) -> None:
+        # Closing the generator cancels its engine streams (aborts and frees the requests).
+        asyncio.get_running_loop().create_task(self._events.aclose())  # type: ignore[attr-defined]
+
+
+class LocalBackend:
+    """A backend that is an `LLMServer` object in this process (tests, and a replica that is
+    its own HTTP ingress)."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                 priority: int, received_time: float) -> _LocalStream:
+        return _LocalStream(self._server.generate(prompts, params, request_id, priority,
+                                                  received_time))
+
+    async def model_info(self) -> dict[str, Any]:
+        return self._server.model_info()
+
+    async def check_health(self) -> None:
+        self._server.check_health()
+
+
+def _json(model: BaseModel, status_code: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code, media_type="application/json")
+
+
+async def _first_event(stream: GenerationStream) -> Accepted:
+    """Wait for the replica's verdict on the input: a Rejected one is the client's 400."""
+    try:
+        event = await stream.__anext__()
+    except BaseException:
+        stream.cancel()
+        raise
+    if isinstance(event, Rejected):
+        if event.status_code != 400:
+            raise OpenAIError(event.message, event.status_code, param=event.param,
+                              retry_after_s=event.retry_after_s)
+        raise bad_request(event.message, event.param)
+    assert isinstance(event, Accepted), f"unexpected first event {event!r}"
+    return event
+
+
+async def _sse(stream: GenerationStream, fmt: Formatter) -> AsyncIterator[str]:
+    """The SSE body. On any early exit (disconnect, failure), cancel the backend call."""
+    complete = False
+    try:
+        for event in fmt.start_events():
+            yield event
+        async for item in stream:
+            if isinstance(item, Finished):
+                complete = True
+                for event in fmt.done_events(item):
+                    yield event
+                return
+            for event in fmt.stream_events(item):
+                yield event
+                if event == SSE_DONE:  # a choice failed: the stream ends here
+                    return
+    except asyncio.CancelledError:
+        # The client went away: normal, and not worth a traceback.
+        logger.debug("client disconnected from stream %s; its request is aborted", fmt.id)
+        raise
+    except Exception as exc:  # the backend broke mid-stream: tell the client, end cleanly
+        yield fmt.error_event(exc)
+        yield SSE_DONE
+    finally:
+        if not complete:
+            stream.cancel()
+
+
+async def _collect(stream: GenerationStream, fmt: Formatter) -> Response:
+    """A whole (non-streamed) response; cancelled callers cancel the backend call too."""
+    complete = False
+    try:
+        async for item in stream:
+            if isinstance(item, Finished):
+                complete = True
+                return _json(fmt.response(item))
+            fmt.add(item)
+    except asyncio.CancelledError:
+        logger.debug("client disconnected from request %s; it is aborted", fmt.id)
+        raise
+    finally:
+        if not complete:
+            stream.cancel()
+    raise internal_error("the generation stream ended without its usage totals")
+
+
+class OpenAIServing:
+    """Owns the HTTP surface's logic: auth, validation, the model-name check, tokenization and
+    the translation between OpenAI requests/responses and a backend's streams. Holds the
+    tokenizer, no model weights."""
+
+    def __init__(self, backend: GenerationBackend, model_name: str,
+                 api_key: str | None = None, tokenizer: str | None = None) -> None:
+        self._prompts = PromptRenderer(tokenizer or model_name)
+        self._backend = backend
+        self._model = model_name
+        self._api_key = api_key or None
+        self._max_model_len: int | None = None
+
+    # ---------------------------------------------------------------------------- routes
+    async def health(self) -> Response:
+        """200 while an engine can serve; open without an API key (load balancers probe it)."""
+        try:
+            await self._backend.check_health()
+        except Exception as exc:
+            raise OpenAIError(f"the engine is not healthy: {exc}", 503,
+                              retry_after_s=5) from exc
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        card = ModelCard(id=self._model, root=self._model,
+                         max_model_len=await self._get_max_model_len())
+        return _json(ModelList(data=[card]))
+
+    async def completions(self, request: Request) -> Response:
+        received = time.time()
+        self._authorize(request)
+        req = parse_request(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        params = req.to_sampling_params(default_max_tokens=None)
+        fmt = CompletionFormatter(self._model, len(req.prompts) * req.n, req.include_usage,
+                                  req.logprobs is not None)
+        limit = await self._get_max_model_len()
+        prompt_ids = await asyncio.to_thread(self._prompts.encode_all, req.prompts, limit)
+        stream = self._backend.generate(prompt_ids, params, fmt.id, req.priority, received)
+        return await self._respond(stream, fmt, req.stream)
+
+    async def chat_completions(self, request: Request) -> Response:
+        received = time.time()
+        self._authorize(request)
+        req = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        params = req.to_sampling_params(default_max_tokens=None)
+        fmt = ChatFormatter(self._model, req.n, req.include_usage, req.logprobs)
+        limit = await self._get_max_model_len()
+        prompt_ids = await asyncio.to_thread(
+            self._prompts.render_chat, req.conversation(), req.add_generation_prompt,
+            req.chat_template_kwargs, limit)
+        stream = self._backend.generate([prompt_ids], params, fmt.id, req.priority, received)
+        return await self._respond(stream, fmt, req.stream)
+
+    async def tokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_request(TokenizeRequest, await request.body())
+        self._check_model(req.model)
+        messages = (None if req.messages is None
+                    else [{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = await asyncio.to_thread(self._prompts.tokenize, req.prompt, messages,
+                                      req.add_special_tokens, req.add_generation_prompt)
+        return _json(TokenizeResponse(tokens=ids, count=len(ids),
+                                      max_model_len=await self._get_max_model_len()))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._authorize(request)
+        req = parse_request(DetokenizeRequest, await request.body())
+        self._check_model(req.model)
+        text = await asyncio.to_thread(self._prompts.detokenize, req.tokens)
+        return _json(DetokenizeResponse(prompt=text))
+
+    # --------------------------------------------------------------------------- helpers
+    async def _get_max_model_len(self) -> int:
+        if self._max_model_len is None:
+            info = await self._backend.model_info()
+            self._max_model_len = int(info["max_model_len"])
+        return self._max_model_len
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise unauthorized()
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self._model:
+            raise not_found(f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    async def _respond(self, stream: GenerationStream, fmt: Formatter,
+                       streaming: bool) -> Response:
+        await _first_event(stream)
+        if streaming:
+            return StreamingResponse(_sse(stream, fmt), media_type="text/event-stream")
+        return await _collect(stream, fmt)
+
+
+def build_openai_app(serving: OpenAIServing) -> FastAPI:
+    """The FastAPI app of the OpenAI routes, each delegating to `serving`."""
+    app = FastAPI(title="tokenflow", description="OpenAI-compatible API on Ray Serve")
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await serving.health()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await serving.models(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await serving.detokenize(request)
+
+    return app

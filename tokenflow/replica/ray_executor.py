@@ -1,0 +1,224 @@
+"""RayExecutor: a replica's pipeline stages as Ray actors, one per stage, in a placement group.
+
+Each step, every stage actor receives the SchedulerOutput through a Ray Compiled Graph (one
+input, one `execute_model` node per stage, up to one execution in flight per stage): each
+stage runs the batches in the order the engine scheduled them, and the control round trip
+costs well under a millisecond, where plain actor calls cost several (bench/README.md).
+Activations travel between the stages over `torch.distributed` (see `pipeline.py`), never
+through Ray. The last stage's return value is the step's `ModelRunnerOutput`. Pings and
+timings use a separate concurrency group, so they are answered while the graph runs.
+
+Placement: one bundle per stage (`{"CPU": n}`, or `{"GPU": 1, "CPU": n}`). Inside a Serve
+replica that reserved them (`placement_group_bundles`), the stages go into that replica's
+group; elsewhere (the offline `LLM`, tests) the executor creates its own group and removes it
+on shutdown. A stage that dies fails the step it was in (and every other step in flight): the
+executor kills the other stages, so none of them hangs in a receive, and reports itself dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelTimeoutError, RayError
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tokenflow.config import EngineConfig, resolve_max_model_len
+from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.stage_bundles import stage_bundles
+from tokenflow.replica.worker import Worker
+from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+_START_TIMEOUT_S = 600.0
+
+
+class StageDiedError(RuntimeError):
+    """A pipeline stage died or stopped answering; the replica cannot run steps any more."""
+
+
+class StageWorker(Worker):
+    """A `Worker` run as a Ray actor: it can tell which node it is on, and answers pings and
+    timing requests on its own thread while its compiled-graph loop runs steps."""
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.stage
+
+    @ray.method(concurrency_group="control")
+    def take_timings(self) -> dict[str, float]:
+        return super().take_timings()
+
+
+def wants_gpu(config: EngineConfig) -> bool:
+    device = config.model.device
+    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+
+
+class StepFuture:
+    """One step in flight on every stage; `result()` is the last stage's output, or raises
+    `StageDiedError` when a stage of the step fails (stages finish in order, so the first
+    failure found is the stage that broke the pipeline)."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        self._executor = executor
+        self._refs = refs
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        timeout = self._executor.step_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        out = None
+        for stage, ref in enumerate(self._refs):
+            try:
+                out = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except (GetTimeoutError, RayChannelTimeoutError) as exc:
+                raise self._executor.fail(stage, f"no answer within {timeout:.0f} s") from exc
+            except RayError as exc:
+                raise self._executor.fail(stage, repr(exc)) from exc
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+
+class RayExecutor:
+    """Owns a replica's stage actors, their placement group (unless a Serve replica lent it)
+    and the liveness of the pipeline."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not ray.is_initialized():
+            # The offline LLM with stages: join RAY_ADDRESS, or start a cluster of our own.
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
+        arch = resolve_model(config.model.model).arch_config()
+        self.vocab_size = arch.vocab_size
+        self.step_timeout_s = config.parallel.step_timeout_s
+        self._failure: str | None = None
+        self._pings: list[ray.ObjectRef] = []
+        self._graph: Any = None
+        use_gpu = wants_gpu(config)
+        bundles = stage_bundles(config, use_gpu)
+        self._pg, self._owns_pg = self._placement_group(bundles, config)
+        actor_cls = ray.remote(concurrency_groups={"control": 1})(StageWorker)
+        pipeline_id = uuid.uuid4().hex[:8]
+        self._actors = [
+            actor_cls.options(
+                # Named, so an operator (or a test) can find one stage of one pipeline.
+                name=f"tokenflow-stage{k}-{pipeline_id}",
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=k),
+            ).remote(config, k)
+            for k, bundle in enumerate(bundles)]
+        try:
+            self._start(config, arch.max_position_embeddings)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def _placement_group(bundles: list[dict[str, float]], config: EngineConfig
+                         ) -> tuple[PlacementGroup, bool]:
+        current = get_current_placement_group()
+        if current is not None:  # a Serve replica that reserved its stages' bundles
+            if len(current.bundle_specs) < len(bundles):
+                raise ValueError(f"the replica's placement group has {len(current.bundle_specs)}"
+                                 f" bundles for {len(bundles)} pipeline stages")
+            return current, False
+        pg = placement_group(bundles, strategy=config.parallel.placement_strategy)
+        try:
+            ray.get(pg.ready(), timeout=_START_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"the cluster cannot place {len(bundles)} pipeline stages of "
+                               f"{bundles[0]} ({config.parallel.placement_strategy})") from None
+        return pg, True
+
+    def _start(self, config: EngineConfig, model_max_len: int) -> None:
+        actors = self._actors
+        ips = ray.get([a.node_ip.remote() for a in actors], timeout=_START_TIMEOUT_S)
+        master = ray.get(actors[0].rendezvous_address.remote(ips[0]))
+        # Every stage at once: joining the group blocks until all of them joined.
+        ray.get([a.init_pipe.remote(master, ip) for a, ip in zip(actors, ips, strict=True)],
+                timeout=_START_TIMEOUT_S)
+        blocks = ray.get([a.num_blocks_available.remote() for a in actors])
+        self.num_blocks = min(blocks)
+        self.max_model_len = resolve_max_model_len(config, model_max_len, self.num_blocks)
+        ray.get([a.init_cache.remote(self.num_blocks, self.max_model_len) for a in actors])
+        self.stage_nodes = ips
+        with InputNode() as sched_out:
+            steps = MultiOutputNode([a.execute_model.bind(sched_out) for a in actors])
+        self._graph = steps.experimental_compile(_max_inflight_executions=len(actors))
+        logger.info("pipeline of %d stages on %s, %d KV blocks each", len(actors), ips,
+                    self.num_blocks)
+
+    # ------------------------------------------------------------------------- steps
+    def execute_model(self, sched_out: SchedulerOutput) -> StepFuture:
+        if self._failure is not None:
+            raise StageDiedError(self._failure)
+        return StepFuture(self, self._graph.execute(sched_out))
+
+    def fail(self, stage: int, reason: str) -> StageDiedError:
+        """Record that `stage` failed, stop every stage (none may hang waiting for it), and
+        return the error to raise."""
+        if self._failure is None:
+            self._failure = f"pipeline stage {stage} of {len(self._actors)} died: {reason}"
+            logger.error("%s; stopping the pipeline", self._failure)
+            self._kill_actors()
+        return StageDiedError(self._failure)
+
+    def check_health(self) -> None:
+        """Raise if a stage died. Never waits: stages answer pings only between steps, so a
+        ping sent at the previous check is looked at now."""
+        if self._failure is None and self._pings:
+            done, _ = ray.wait(self._pings, num_returns=len(self._pings), timeout=0)
+            for k, ref in enumerate(self._pings):
+                if ref in done:
+                    try:
+                        ray.get(ref)
+                    except RayActorError as exc:
+                        self.fail(k, repr(exc))
+            if len(done) == len(self._pings):
+                self._pings = []
+        if self._failure is not None:
+            raise StageDiedError(self._failure)
+        if not self._pings:
+            self._pings = [a.ping.remote() for a in self._actors]
+
+    def take_timings(self) -> list[dict[str, float]]:
+        """Each stage's `StageTimings` since the last call (for benchmarks)."""
+        return ray.get([a.take_timings.remote() for a in self._actors])
+
+    # ---------------------------------------------------------------------- shutdown
+    def _kill_actors(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.teardown()
+            except Exception as exc:  # a stage is already dead
+                logger.debug("tearing the compiled graph down: %r", exc)
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # already gone
+                logger.debug("killing a stage actor: %r", exc)
+
+    def shutdown(self) -> None:
+        self._kill_actors()
+        if self._owns_pg:
+            try:
+                remove_placement_group(self._pg)
+            except Exception as exc:  # the cluster is going away too
+                logger.debug("removing the placement group: %r", exc)
+            self._owns_pg = False
