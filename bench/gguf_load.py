@@ -8,10 +8,11 @@ times. Timed from after the imports to a model ready to run plus its tokenizer:
 - transformers: `AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., dtype=float32)` and
   `AutoTokenizer.from_pretrained(dir, gguf_file=...)`.
 
-Prints one line with the medians and their ratio; writes bench/results/gguf_load-<label>.json.
+Prints one line with the medians and their ratio; writes the result JSON only where `--out`
+says.
 
     python bench/gguf_load.py                      # smollm2-135m-instruct, 3 repeats
-    python bench/gguf_load.py --model path/to/model.gguf --repeats 5 --label mine
+    python bench/gguf_load.py --model path/to/model.gguf --repeats 5 --out /tmp/load.json
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load_tokenflow(model: str) -> dict[str, float]:
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--label", default="smollm2")
+    p.add_argument("--out", help="write the result JSON to this file")
     p.add_argument("--side", choices=["tokenflow", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.side is not None:  # the child process: one load, one JSON line
@@ -87,8 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     for side, rs in runs.items():
         print(f"  {side:12s} " + "  ".join(f"{r['total_s']:.2f}" for r in rs) + " s")
     record = {"config": vars(args), "runs": runs, "median_s": medians, "ratio": ratio}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"gguf_load-{args.label}.json").write_text(json.dumps(record, indent=2) + "\n")
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
