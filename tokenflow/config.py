@@ -110,6 +110,19 @@ class ParallelConfig(_Frozen):
                                           and self.pipeline_parallel_size > 1)
 
 
+class KVTransferConfig(_Frozen):
+    """Moving KV blocks between engines (prefill/decode disaggregation): which connector, this
+    engine's role, and how long transfers may take and published blocks may wait."""
+
+    # "torch_p2p", "ray_object_store", or "module:Class" of a user's connector; None: off.
+    connector: str | None = None
+    role: Literal["producer", "consumer", "both"] = "both"
+    # A load that takes longer fails (the consumer then computes the prompt itself).
+    load_timeout_s: float = Field(default=30.0, gt=0)
+    # A producer keeps a finished request's published blocks this long for its consumer.
+    lease_s: float = Field(default=30.0, gt=0)
+
+
 class EngineConfig(_Frozen):
     """Everything one engine replica needs to build its scheduler, cache and workers."""
 
@@ -117,6 +130,7 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

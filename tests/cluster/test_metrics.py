@@ -60,13 +60,16 @@ def test_metrics_reach_the_prometheus_export(cluster: Cluster, main_app: App) ->
     prompt = "a shared prefix that spans several KV blocks " * 6
     for _ in range(3):  # the second and third requests hit the first one's blocks
         r = httpx.post(main_app.base_url + "/v1/completions", headers=headers, timeout=30,
-                       json={"model": MODEL, "prompt": prompt, "max_tokens": 8})
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                             "ignore_eos": True})  # exactly 8 tokens each
         assert r.status_code == 200, r.text
     deadline, missing, body = time.monotonic() + 40, EXPECTED, ""
     while time.monotonic() < deadline:
         body = _scrape(cluster.metrics_port)
         missing = [name for name in EXPECTED if not re.search(rf"^{name}{{", body, re.M)]
-        if not missing and _value(body, "ray_tokenflow_prefix_cache_hits_total") > 0:
+        # Each counter reaches the export on its own schedule: wait for the last request's.
+        if (not missing and _value(body, "ray_tokenflow_prefix_cache_hits_total") > 0
+                and _value(body, "ray_tokenflow_generation_tokens_total") >= 24):
             break
         time.sleep(1)
     assert not missing, missing

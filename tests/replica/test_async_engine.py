@@ -92,8 +92,8 @@ async def test_error_in_one_request_does_not_stop_others(engine, monkeypatch):
     processor = engine.engine.output_processor
     original = processor.add_request
 
-    def add_request(request_id, child_ids, *args):
-        original(request_id, child_ids, *args)
+    def add_request(request_id, child_ids, *args, **kwargs):
+        original(request_id, child_ids, *args, **kwargs)
         if request_id == "bad":
             processor._children["bad"].detokenizer = ExplodingDetokenizer()
 

@@ -5,7 +5,8 @@ cluster Ray's temp dir happens to name). While the application deploys, one stat
 printed each time its state changes; then the URL; then the process waits for Ctrl-C or
 SIGTERM, watching that its port still answers (if Ray dies under it, it exits non-zero), and
 shuts down only what it started: on its own cluster Serve and Ray, on a joined cluster only its
-own application.
+own application. A cluster started here has the Ray dashboard on; its URL and the metrics port
+are printed (`cluster.observe`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from tokenflow.cluster.observe import ObserveOptions, describe, options_from_args
 from tokenflow.config import AppConfig
 
 APP_NAME = "tokenflow"
@@ -77,7 +79,7 @@ def _port_answers(host: str, port: int) -> bool:
         return False
 
 
-def _start_ray() -> bool:
+def _start_ray(observe: ObserveOptions) -> bool:
     """Join RAY_ADDRESS if set, else start a new local cluster; True if we started it."""
     import ray
 
@@ -85,8 +87,11 @@ def _start_ray() -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
+    observe.export_env()  # read by the dashboard process that ray.init starts
     # "local": a new cluster of our own, even if Ray's temp dir names a running one.
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    context = ray.init(address="local", log_to_driver=False, **observe.ray_init_kwargs())
+    for line in describe(observe, context.dashboard_url):
+        _say(line)
     return True
 
 
@@ -203,12 +208,14 @@ def serve_main(args: argparse.Namespace) -> int:
     loopback_only()
     config = config_from_cli(args)  # a bad config fails here, before anything starts
     joining = bool(os.environ.get("RAY_ADDRESS"))
+    observe = options_from_args(args)
     try:
         if not joining:
             _check_port_free(config.host, config.port)
-        started_ray = _start_ray()
+            observe.check_ports_free()  # ValueError naming the flag to change
+        started_ray = _start_ray(observe)
         _refuse_to_replace(started_ray)
-    except ServeError as exc:
+    except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")
         return 2
     return _run(config, started_ray)

@@ -2,7 +2,9 @@
 
 Ray exports them from every worker to the node's metrics agent, so they show up in the Ray
 dashboard and in its Prometheus endpoint (as `ray_tokenflow_*`; counters gain `_total`). Every
-metric is tagged with the served model's name.
+metric is tagged with the served model's name and, through `ray.serve.metrics`, with the Serve
+`application`, `deployment` and `replica` it comes from (outside a replica, e.g. in a unit test,
+those three tags are simply absent): the Grafana dashboards filter and group by them.
 
 Two feeds, neither per token:
 - `observe_request` once per finished request, from its `RequestMetrics` timestamps;
@@ -23,14 +25,16 @@ What the latencies measure (all wall clock, seconds):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0]
 _ITL_BUCKETS_S = [0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                   0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _TAG_KEYS = ("model",)
+_M = TypeVar("_M", Counter, Gauge, Histogram)
 
 
 @dataclass(frozen=True)
@@ -67,20 +71,23 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str) -> None:
-        tags = {"model": model_name}
         self.names: list[str] = []  # every metric this replica defines
 
+        def tagged(metric: _M) -> _M:
+            # A fresh dict per metric: Serve's set_default_tags adds its own tags to the dict it
+            # is given (and, unlike ray.util.metrics, returns None).
+            metric.set_default_tags({"model": model_name})
+            self.names.append(metric.info["name"])
+            return metric
+
         def gauge(name: str, doc: str) -> Gauge:
-            self.names.append(name)
-            return Gauge(name, doc, tag_keys=_TAG_KEYS).set_default_tags(tags)
+            return tagged(Gauge(name, doc, tag_keys=_TAG_KEYS))
 
         def counter(name: str, doc: str) -> Counter:
-            self.names.append(name)
-            return Counter(name, doc, tag_keys=_TAG_KEYS).set_default_tags(tags)
+            return tagged(Counter(name, doc, tag_keys=_TAG_KEYS))
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            self.names.append(name)
-            return Histogram(name, doc, buckets, tag_keys=_TAG_KEYS).set_default_tags(tags)
+            return tagged(Histogram(name, doc, buckets, tag_keys=_TAG_KEYS))
 
         self.running = gauge("tokenflow_num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("tokenflow_num_requests_waiting", "Requests waiting for admission.")

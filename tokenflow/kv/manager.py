@@ -113,12 +113,15 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Grow the request's table to cover computed + new-computed + new + lookahead tokens.
 
         Returns the newly allocated blocks (prefix hits excluded; empty when none were needed),
         or None, changing nothing, when the free blocks do not suffice. `new_computed_blocks`
         (from `get_computed_blocks`) are accepted only on the request's first allocation.
+        `delay_cache_blocks`: the new tokens' KV comes from elsewhere and is not there yet, so
+        no block joins the prefix cache now (`cache_blocks` registers them once it arrived).
         """
         state = self._reqs.get(request.request_id)
         if state is not None and not (num_new_computed_tokens or num_lookahead_tokens):
@@ -157,13 +160,24 @@ class KVCacheManager:
             else:
                 new_blocks = self.pool.get_new_blocks(num_missing)
                 state.blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Lookahead (speculative) slots hold guesses, and tokens past num_tokens are not
             # known yet (async placeholders): neither may be cached.
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             if num_full > state.num_cached:
                 self._cache_full_blocks(request, state, num_full)
         return new_blocks
+
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Register the request's full blocks up to `num_tokens` in the prefix cache (blocks
+        whose KV arrived from another engine and was verified)."""
+        state = self._reqs.get(request.request_id)
+        if state is None or not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens, len(state.blocks) * self.block_size)
+        num_full //= self.block_size
+        if num_full > state.num_cached:
+            self._cache_full_blocks(request, state, num_full)
 
     def _allocate_first(
         self,

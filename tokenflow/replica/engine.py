@@ -40,8 +40,9 @@ class EngineCore:
         self.executor = executor or build_executor(config)
         self.max_model_len = self.executor.max_model_len
         self.vocab_size = self.executor.vocab_size
-        self.scheduler = build_scheduler(config.scheduler, config.cache,
-                                         self.executor.num_blocks, self.max_model_len)
+        self.scheduler = build_scheduler(
+            config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
+            config.kv_transfer, config.parallel.pipeline_parallel_size)
         self._max_in_flight = config.parallel.pipeline_parallel_size
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
@@ -69,9 +70,10 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if len(self._in_flight) < self._max_in_flight:
             sched_out = self.scheduler.schedule()
-            # Workers must hear of finished and preempted requests even when nothing runs.
+            # Workers must hear of finished and preempted requests even when nothing runs, and
+            # report KV transfers (which end in the background) while any is under way.
             if (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids
-                    or sched_out.preempted_req_ids):
+                    or sched_out.preempted_req_ids or self.scheduler.has_pending_transfers()):
                 try:
                     self._in_flight.append((sched_out, self.executor.execute_model(sched_out)))
                 except Exception as exc:  # the executor cannot take it (a stage died)

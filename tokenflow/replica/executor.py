@@ -51,7 +51,7 @@ class InProcExecutor:
         future: Future[ModelRunnerOutput] = Future()
         try:
             out = self.worker.execute_model(sched_out)
-            assert isinstance(out, ModelRunnerOutput)
+            assert isinstance(out, ModelRunnerOutput)  # the only stage is the last
             future.set_result(out)
         except Exception as exc:  # delivered where the engine waits for the step
             future.set_exception(exc)

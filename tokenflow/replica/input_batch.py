@@ -74,9 +74,11 @@ class InputBatch:
                 self.states[req_id].num_blocks = 0
         for new in out.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids),
-                                       new.sampling_params, self._take_row(), new.eos_token_id)
+                                       new.sampling_params, self._take_row(), new.eos_token_id,
+                                       list(new.output_token_ids))
             self.states[new.req_id] = state
-            self.token_ids[state.row, :len(new.prompt_token_ids)] = new.prompt_token_ids
+            known = new.prompt_token_ids + new.output_token_ids
+            self.token_ids[state.row, :len(known)] = known
             self._append_blocks(state, new.block_ids)
             state.num_computed_tokens = new.num_computed_tokens
         cached = out.scheduled_cached_reqs

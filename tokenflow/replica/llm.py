@@ -52,18 +52,29 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in prompt order, whole (not deltas)."""
+                 use_tqdm: bool = True,
+                 kv_transfer_params: dict | list[dict | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order, whole (not deltas).
+
+        `kv_transfer_params` (one for all prompts, or one each), with a KV connector
+        configured: `{"do_remote_decode": True}` publishes each prompt's KV for another engine
+        (the output's `kv_transfer_params` says where); a producer's returned params (with
+        `first_token_ids`) load it here instead of computing the prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
+        transfers = (kv_transfer_params if isinstance(kv_transfer_params, list)
+                     else [kv_transfer_params] * len(prompts))
         # All or nothing: every prompt is validated before any reaches the engine, so a bad
         # one leaves nothing queued behind for the next call.
-        processed = [self.engine.process_inputs(str(self._counter + i), prompt, p)
-                     for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))]
+        processed = [self.engine.process_inputs(str(self._counter + i), prompt, p,
+                                                kv_transfer_params=transfer)
+                     for i, (prompt, p, transfer) in enumerate(
+                         zip(prompts, params_list, transfers, strict=True))]
         self._counter += len(processed)
         for request in processed:
             self.engine.add_processed(request)
@@ -71,11 +82,16 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         merged: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        # Until these requests finished: KV transfers they started (blocks a producer holds for
+        # its consumer) go on in the background and are seen to by later steps.
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
+            while pending and self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     _merge(merged, delta)
-                    bar.update(int(delta.finished))
+                    if delta.finished:
+                        pending.discard(delta.request_id)
+                        bar.update(1)
         return [merged[i] for i in ids]
 
 
@@ -100,3 +116,4 @@ def _merge(merged: dict[str, RequestOutput], delta: RequestOutput) -> None:
     total.num_cached_tokens = delta.num_cached_tokens
     total.error = total.error or delta.error
     total.metrics = delta.metrics
+    total.kv_transfer_params = delta.kv_transfer_params or total.kv_transfer_params

@@ -71,6 +71,13 @@ class LLMEngine:
             self.tokenizer.eos_token_ids - {eos} - set(params.stop_token_ids))
         params = dataclasses.replace(params, max_tokens=max_tokens,
                                      stop_token_ids=[*params.stop_token_ids, *extra_stops])
+        # A request continued from another engine (prefill/decode disaggregation) arrives with
+        # the token(s) that engine already generated: they are its first outputs here too.
+        first_ids = list((kv_transfer_params or {}).get("first_token_ids") or [])
+        if first_ids and (params.n != 1 or max(first_ids) >= self.vocab_size
+                          or min(first_ids) < 0 or len(first_ids) >= max_tokens):
+            raise ValueError("kv_transfer_params.first_token_ids needs n=1, ids in the "
+                             "vocabulary and room for more tokens")
         arrival = time.monotonic()
         sequences = []
         for i in range(params.n):
@@ -80,7 +87,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             sequences.append(Request(child_id, token_ids, child_params, arrival_time=arrival,
                                      priority=priority, eos_token_id=eos,
-                                     kv_transfer_params=kv_transfer_params))
+                                     kv_transfer_params=kv_transfer_params,
+                                     output_token_ids=list(first_ids)))
         return ProcessedRequest(request_id, text, token_ids, params, sequences)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -105,9 +113,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------- requests
     def add_processed(self, processed: ProcessedRequest) -> None:
+        first = processed.sequences[0]
+        params = first.kv_transfer_params or {}
         self.output_processor.add_request(
             processed.request_id, [r.request_id for r in processed.sequences],
-            processed.prompt, processed.prompt_token_ids, processed.params)
+            processed.prompt, processed.prompt_token_ids, processed.params,
+            initial_output_ids=first.output_token_ids,
+            # The orchestrator that ran the prefill streamed its token already.
+            emit_initial=not params.get("first_token_sent", False))
         for request in processed.sequences:
             self.core.add_request(request)
 
@@ -150,4 +163,5 @@ class LLMEngine:
 
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_drafts",
-             "num_draft_tokens", "num_accepted_tokens")
+             "num_draft_tokens", "num_accepted_tokens", "kv_transfer_bytes",
+             "kv_transfer_seconds", "kv_transfer_failures")

@@ -45,6 +45,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # Where a producer published the prompt's KV (prefill/decode disaggregation).
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -65,6 +67,9 @@ class _Child:
     finished: bool = False
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    # Outputs the request arrived with, not yet sent: they lead its first delta.
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
 
 
 class OutputProcessor:
@@ -78,7 +83,11 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}
 
     def add_request(self, request_id: str, child_ids: list[str], prompt: str | None,
-                    prompt_token_ids: list[int], params: SamplingParams) -> None:
+                    prompt_token_ids: list[int], params: SamplingParams,
+                    initial_output_ids: list[int] | None = None,
+                    emit_initial: bool = True) -> None:
+        """`initial_output_ids`: outputs the request arrives with (generated elsewhere); they
+        lead the first delta, or, with `emit_initial=False`, only give the text context."""
         parent = _Parent(request_id, prompt, prompt_token_ids, len(child_ids),
                          RequestMetrics(time.time()))
         self._parents[request_id] = parent
@@ -90,7 +99,11 @@ class OutputProcessor:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     skip_special_tokens=params.skip_special_tokens,
                     prompt_token_ids=prompt_token_ids)
-            self._children[child_id] = _Child(parent, index, detok)
+            child = self._children[child_id] = _Child(parent, index, detok)
+            if initial_output_ids:
+                text = detok.push(initial_output_ids) if detok is not None else ""
+                if emit_initial:
+                    child.pending_ids, child.pending_text = list(initial_output_ids), text
 
     def child_ids(self, request_id: str) -> list[str]:
         return [cid for cid, c in self._children.items() if c.parent.request_id == request_id]
@@ -134,13 +147,16 @@ class OutputProcessor:
     def _advance(self, child: _Child, out: EngineCoreOutput
                  ) -> tuple[CompletionOutput, str | None]:
         self._decode_logprobs(out.new_logprobs)
-        completion = CompletionOutput(child.index, "", out.new_token_ids, out.new_logprobs,
+        token_ids = out.new_token_ids
+        if child.pending_ids:
+            token_ids = child.pending_ids + token_ids
+        completion = CompletionOutput(child.index, "", token_ids, out.new_logprobs,
                                       out.finish_reason, out.stop_reason)
         error = out.error
         detok = child.detokenizer
         try:
             if detok is not None:
-                completion.text = detok.push(out.new_token_ids)
+                completion.text = child.pending_text + detok.push(out.new_token_ids)
                 if detok.finished and completion.finish_reason is None:
                     completion.finish_reason, completion.stop_reason = "stop", detok.stop_reason
                 elif completion.finish_reason is not None and not detok.finished:
@@ -165,6 +181,7 @@ class OutputProcessor:
         if finished:
             metrics.finished_time = now
             self._parents.pop(parent.request_id, None)
+        child.pending_ids, child.pending_text = [], ""
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [completion], finished, parent.num_cached_tokens,
-                             out.prompt_logprobs, error, metrics)
+                             out.prompt_logprobs, error, metrics, out.kv_transfer_params)

@@ -8,18 +8,14 @@ the receiver knows the shape (`total_num_scheduled_tokens` x hidden) without bei
 
 from __future__ import annotations
 
-import fcntl
 import os
-import socket
-import struct
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from tokenflow.net import interface_of
 from tokenflow.replica.model_runner import IntermediateTensors
-
-_SIOCGIFADDR = 0x8915
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int,
@@ -38,26 +34,6 @@ def stage_layer_ranges(num_layers: int, num_stages: int,
     for n in stage_layers:
         bounds.append(bounds[-1] + n)
     return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def interface_of(ip: str) -> str:
-    """The local network interface holding the IPv4 address `ip`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                ifreq = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
-            except OSError:  # no IPv4 address on this interface
-                continue
-            if socket.inet_ntoa(ifreq[20:24]) == ip:
-                return name
-    raise ValueError(f"no local interface has address {ip}")
-
-
-def free_port(ip: str) -> int:
-    """A TCP port free on `ip` now (rank 0 binds it for the rendezvous soon after)."""
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
 
 
 class StagePipe:

@@ -81,15 +81,20 @@ class StepFuture:
     def result(self, timeout: float | None = None) -> ModelRunnerOutput:
         timeout = self._executor.step_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        out = None
+        results = []
         for stage, ref in enumerate(self._refs):
             try:
-                out = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                results.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
             except (GetTimeoutError, RayChannelTimeoutError) as exc:
                 raise self._executor.fail(stage, f"no answer within {timeout:.0f} s") from exc
             except RayError as exc:
                 raise self._executor.fail(stage, repr(exc)) from exc
+        out = results[-1]
         assert isinstance(out, ModelRunnerOutput)
+        # Every stage moves its own layers' KV: the scheduler hears from each.
+        reports = [r for r in results[:-1] if r is not None]
+        if reports:
+            out.kv_connector_outputs = reports + (out.kv_connector_outputs or [])
         return out
 
 

@@ -9,10 +9,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tokenflow.config import EngineConfig
+from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
+from tokenflow.net import free_port
 from tokenflow.replica.loader import load_model, resolve_dtype
 from tokenflow.replica.model_runner import ModelRunner
 from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.pipeline import StagePipe, free_port, stage_layer_ranges
+from tokenflow.replica.pipeline import StagePipe, stage_layer_ranges
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -64,6 +66,9 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.pipe: StagePipe | None = None
         self.timings = StageTimings()
+        # This stage's half of the KV-transfer connector, when one is configured.
+        self.connector = create_worker_connector(
+            config.kv_transfer, "nccl" if self.device.type == "cuda" else "gloo")
 
     @property
     def num_layers(self) -> int:
@@ -105,11 +110,41 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs,
                                   max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed)
+        if self.connector is not None:
+            self.connector.register_kv_caches(kv_caches, self.layer_range)
 
     # -------------------------------------------------------------------------- step
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run this stage's part of one step; the last stage returns the sampled tokens."""
+    def execute_model(self, sched_out: SchedulerOutput
+                      ) -> ModelRunnerOutput | KVConnectorOutput | None:
+        """Run this stage's part of one step. The last stage returns the sampled tokens (with
+        every transfer report of its connector); a stage before it returns its connector's
+        report, if any."""
         assert self.runner is not None, "init_cache() first"
+        meta = sched_out.kv_connector_metadata
+        if self.connector is not None and meta is not None:
+            self.connector.start_load_kv(meta)
+        out = self._forward(sched_out)
+        if self.connector is None:
+            return out
+        report = self._connector_report(sched_out)
+        if isinstance(out, ModelRunnerOutput):
+            out.kv_connector_outputs = [report]
+            return out
+        return report
+
+    def _connector_report(self, sched_out: SchedulerOutput) -> KVConnectorOutput:
+        connector, meta = self.connector, sched_out.kv_connector_metadata
+        assert connector is not None
+        if meta is not None:
+            for layer in range(*self.layer_range):
+                connector.save_kv_layer(layer, meta)
+            connector.wait_for_save()
+        # A step with nothing to compute only polls transfers: wait a little for one to end
+        # rather than have the engine loop spin.
+        return connector.get_finished(0.0 if sched_out.total_num_scheduled_tokens else 0.01)
+
+    def _forward(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.runner is not None
         pipe, timings = self.pipe, self.timings
         t0 = time.perf_counter()
         intermediate = None
@@ -138,6 +173,8 @@ class Worker:
         return self.stage
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         if self.pipe is not None:
             self.pipe.wait_sends()
             self.pipe.close()

@@ -21,6 +21,10 @@ class SchedulerStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_waiting_for_remote_kvs: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
 
 
 @dataclass(slots=True)

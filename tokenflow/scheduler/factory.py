@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.scheduler.scheduler import Scheduler
 
 
@@ -25,6 +25,8 @@ def build_scheduler(
     cache_config: CacheConfig,
     num_blocks: int,
     max_model_len: int,
+    kv_transfer: KVTransferConfig | None = None,
+    num_stages: int = 1,
 ) -> Scheduler:
     cls: type[Scheduler] = Scheduler
     if scheduler_config.scheduler_cls:
@@ -32,4 +34,5 @@ def build_scheduler(
         warnings.warn(
             f"using custom scheduler {scheduler_config.scheduler_cls}: the scheduler interface "
             "is not stable and may change without notice", UserWarning, stacklevel=2)
-    return cls(scheduler_config, cache_config, num_blocks, max_model_len)
+    return cls(scheduler_config, cache_config, num_blocks, max_model_len, kv_transfer,
+               num_stages)

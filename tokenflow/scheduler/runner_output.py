@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -24,3 +25,5 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[TokenLogprobs]] | None = None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
+    # One `KVConnectorOutput` per pipeline stage, when a KV connector is configured.
+    kv_connector_outputs: list[Any] | None = None

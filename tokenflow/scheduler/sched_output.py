@@ -21,6 +21,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # Outputs it arrives with (a request continued elsewhere: prefill/decode disaggregation).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
-from tokenflow.config import CacheConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
+from tokenflow.kv.connector import create_scheduler_connector
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.queue import create_request_queue
+from tokenflow.scheduler.remote_kv import RemoteKV
 from tokenflow.scheduler.request import WAITING_FOR_SOMETHING, Request, RequestStatus
 from tokenflow.scheduler.runner_output import ModelRunnerOutput
 from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenflow.scheduler.stop import check_stop
+
+
+class _Admission(enum.Enum):
+    ADMITTED = enum.auto()
+    FAILED = enum.auto()  # no budget or no blocks now
+    PARKED = enum.auto()  # waits for its prompt KV from another engine
 
 
 class _StepPlan:
@@ -42,12 +51,20 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        kv_transfer: KVTransferConfig | None = None,
+        num_stages: int = 1,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
         self.max_model_len = max_model_len
+        # KV transfer (disaggregated prefill/decode), when a connector is configured; every
+        # pipeline stage moves its own layers, so a transfer ends when all of them reported.
+        connector = None if kv_transfer is None else create_scheduler_connector(
+            kv_transfer, block_size=self.block_size, num_stages=num_stages,
+            get_block_ids=self.kv.get_block_ids)
+        self.remote = RemoteKV(connector, self.kv) if connector is not None else None
         self.policy = scheduler_config.policy
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -100,10 +117,16 @@ class Scheduler:
             self.waiting.remove_many(waiting)
         for request in found:
             request.status = status
+            if self.remote is not None and self.remote.on_abort(request):
+                # A worker may still write into its blocks: they are freed when the load ends.
+                del self.requests[request.request_id]
+                continue
             self._free(request)
 
-    def _free(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free(self, request: Request, out: EngineCoreOutput | None = None) -> None:
+        """Forget a finished request and free its blocks (or hold them for a consumer)."""
+        if self.remote is None or not self.remote.on_finished(request, out):
+            self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -117,7 +140,13 @@ class Scheduler:
                 request.spec_token_ids = list(drafts)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        """Requests to run, outputs to deliver, or KV transfers to see through."""
+        return (bool(self.requests) or bool(self._pending_outputs)
+                or (self.remote is not None and self.remote.has_pending()))
+
+    def has_pending_transfers(self) -> bool:
+        """KV loads or held blocks the workers must keep reporting on."""
+        return self.remote is not None and self.remote.has_pending()
 
     def kv_cache_blocks(self) -> tuple[int, int]:
         """(free blocks, total blocks) of the KV cache now."""
@@ -138,6 +167,9 @@ class Scheduler:
         `max_num_seqs` allow. Decode, prefill chunks and speculative tokens are all the
         same thing here: tokens not yet computed.
         """
+        if self.remote is not None:
+            for request in self.remote.before_schedule():
+                self.kv.free(request)  # held for a consumer, or aborted mid-load: now free
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
@@ -152,6 +184,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        if self.remote is not None:
+            out.kv_connector_metadata = self.remote.build_meta(out)
         return out
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -240,35 +274,67 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
         max_num_seqs = self.config.max_num_seqs
+        # After a failed admission only requests that already hold their blocks may pass (a
+        # loaded request must not wait behind one that cannot get blocks: that deadlocks).
+        blocked = False
         while self.waiting and plan.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
-            if request.status in WAITING_FOR_SOMETHING:
+            if request.status in WAITING_FOR_SOMETHING or (
+                    blocked and not self.kv.num_blocks_held(request.request_id)):
                 skipped.append(self.waiting.pop())  # keeps its place: put back below
                 continue
-            if not self._admit(request, plan):
-                break
+            outcome = self._admit(request, plan)
+            if outcome is _Admission.FAILED:
+                if self.remote is None:
+                    break
+                blocked = True
+            if outcome is not _Admission.ADMITTED:
+                skipped.append(self.waiting.pop())
+                continue
             self.waiting.pop()
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
-    def _admit(self, request: Request, plan: _StepPlan) -> bool:
-        # A request that wants prompt logprobs needs logits at every prompt position, so it
-        # computes its whole prompt (as vLLM does); its blocks still join the cache for others.
-        if request.sampling_params.prompt_logprobs is None:
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-        else:
-            hit_blocks, num_hit = [], 0
+    def _admit(self, request: Request, plan: _StepPlan) -> _Admission:
+        holds_blocks = self.kv.num_blocks_held(request.request_id) > 0
+        hit_blocks, num_hit = self._computed_so_far(request, holds_blocks)
+        if self.remote is not None and request.kv_transfer_params and not holds_blocks:
+            parked = self.remote.try_park(request, hit_blocks, num_hit)
+            if parked is not False:
+                return _Admission.PARKED if parked else _Admission.FAILED
         num_new = request.num_tokens - num_hit
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new:
             num_new = threshold
         if num_new > plan.budget:
             if not self.config.enable_chunked_prefill:
-                return False
+                return _Admission.FAILED
             num_new = plan.budget
-        if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
-            return False
-        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        if holds_blocks:
+            if self.kv.allocate_slots(request, num_new) is None:
+                return _Admission.FAILED
+        elif self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+            return _Admission.FAILED
+        else:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        self._start_running(request, plan, num_hit, num_new)
+        return _Admission.ADMITTED
+
+    def _computed_so_far(self, request: Request, holds_blocks: bool
+                         ) -> tuple[list[KVCacheBlock], int]:
+        """Prefix-cache hits (blocks, tokens) a request starts from."""
+        if holds_blocks:
+            # Its prompt KV was loaded from another engine (or is to be recomputed, if that
+            # failed) into blocks it already holds: no lookup.
+            return [], request.num_computed_tokens
+        if request.sampling_params.prompt_logprobs is None:
+            return self.kv.get_computed_blocks(request)
+        # Prompt logprobs need logits at every prompt position, so such a request computes its
+        # whole prompt (as vLLM does); its blocks still join the cache for others.
+        return [], 0
+
+    def _start_running(self, request: Request, plan: _StepPlan, num_hit: int,
+                       num_new: int) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit + num_new
@@ -285,8 +351,9 @@ class Scheduler:
         else:
             plan.new_reqs.append(NewRequestData(
                 req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit,
-                request.eos_token_id))
-        return True
+                request.eos_token_id, request.output_token_ids[:]))
+            if self.remote is not None:
+                self.remote.note_admitted(request)
 
     # ------------------------------------------------------------------------- results
     def update_from_output(
@@ -295,6 +362,8 @@ class Scheduler:
         """Append sampled tokens, roll back rejected drafts, run stop checks, free finished
         requests and return every request's delta."""
         outputs: list[EngineCoreOutput] = []
+        if self.remote is not None:
+            self.remote.after_step(runner_out.kv_connector_outputs)
         requests = self.requests
         spec = sched_out.scheduled_spec_decode_tokens
         logprobs = runner_out.logprobs
@@ -349,7 +418,7 @@ class Scheduler:
                 out.new_logprobs = out.new_logprobs[:-num_trim]
         out.finish_reason = RequestStatus.finish_reason(request.status)
         out.stop_reason = request.stop_reason
-        self._free(request)
+        self._free(request, out)
 
     # --------------------------------------------------------------------------- stats
     def make_stats(self) -> SchedulerStats:
@@ -359,6 +428,10 @@ class Scheduler:
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = self.kv.usage
         stats.prefix_cache_queries, stats.prefix_cache_hits = self.kv.take_prefix_cache_stats()
+        if self.remote is not None:
+            stats.num_waiting_for_remote_kvs = self.remote.num_waiting
+            (stats.kv_transfer_bytes, stats.kv_transfer_seconds,
+             stats.kv_transfer_failures) = self.remote.take_stats()
         return stats
 
     def reset_prefix_cache(self) -> bool:

@@ -1,0 +1,214 @@
+"""Prefill/decode disaggregation between two real engines: a producer computes each prompt and
+publishes its KV, a consumer loads it and decodes. The tokens are those of one engine doing
+both, on both transports, through chunked prefill, prefix hits on both sides and PP=2 on one
+side; a failed transfer (dead producer, timeout, wrong checksum) is recomputed, and neither side
+leaks a block."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.checkpoints import write_checkpoint
+from tests.conftest import Cluster
+from tests.replica.test_engine import make_prompts, with_tokenizer
+from tokenflow.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import RequestStatus, SamplingParams
+
+NUM_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("pd"), "llama", num_hidden_layers=4)
+    return with_tokenizer(path)
+
+
+def engine(path, connector: str | None = None, *, budget: int = 4096, pp: int = 1,
+           **transfer) -> LLM:
+    return LLM(config=EngineConfig(
+        model=ModelConfig(model=str(path), num_threads=1),
+        cache=CacheConfig(block_size=16, num_blocks=128),
+        scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=budget),
+        parallel=ParallelConfig(pipeline_parallel_size=pp, stage_num_cpus=0.5),
+        kv_transfer=KVTransferConfig(connector=connector, **transfer)))
+
+
+def params_for(prompts: list) -> list[SamplingParams]:
+    """Greedy for most prompts, seeded sampling for every third."""
+    return [SamplingParams(max_tokens=NUM_NEW, ignore_eos=True, temperature=0.9, seed=11 + i)
+            if i % 3 == 2 else SamplingParams(max_tokens=NUM_NEW, ignore_eos=True,
+                                              temperature=0.0)
+            for i in range(len(prompts))]
+
+
+def prefill(producer: LLM, prompts: list, params: list[SamplingParams]) -> list[dict]:
+    """Run each prompt's prefill on the producer; the params a consumer needs to load it."""
+    first = [dataclasses.replace(p, max_tokens=1) for p in params]
+    outs = producer.generate(prompts, first, use_tqdm=False,
+                             kv_transfer_params={"do_remote_decode": True})
+    transfers = []
+    for out in outs:
+        assert out.kv_transfer_params is not None, "the producer did not publish the prompt"
+        transfers.append({**out.kv_transfer_params, "first_token_ids": out.outputs[0].token_ids})
+    return transfers
+
+
+def drain(llm: LLM, timeout_s: float = 60) -> None:
+    """Step until nothing is pending (held blocks released, loads ended)."""
+    deadline = time.monotonic() + timeout_s
+    while llm.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "transfers never ended"
+        llm.engine.step()
+
+
+def assert_all_free(*llms: LLM) -> None:
+    for llm in llms:
+        drain(llm)
+        free, total = llm.engine.kv_cache_blocks()
+        assert free == total
+
+
+@pytest.fixture(scope="module")
+def colocated(checkpoint):
+    llm = engine(checkpoint)
+    prompts = make_prompts()
+    outs = llm.generate(prompts, params_for(prompts), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_pp: int = 1
+                   ) -> None:
+    producer = engine(checkpoint, connector, budget=budget, pp=producer_pp, role="producer")
+    consumer = engine(checkpoint, connector, budget=budget, role="consumer")
+    try:
+        prompts = make_prompts()
+        warm = [prompts[-1][:40] + [99]]  # the shared prefix, cached on both sides
+        producer.generate(warm, SamplingParams(max_tokens=1), use_tqdm=False)
+        consumer.generate(warm, SamplingParams(max_tokens=1), use_tqdm=False)
+        params = params_for(prompts)
+        outs = consumer.generate(prompts, params, use_tqdm=False,
+                                 kv_transfer_params=prefill(producer, prompts, params))
+        assert [o.outputs[0].token_ids for o in outs] == colocated
+        totals = consumer.engine.totals
+        assert totals.kv_transfer_bytes > 0 and totals.kv_transfer_failures == 0
+        assert outs[-1].num_cached_tokens >= 32  # the consumer's own prefix hit
+        assert_all_free(producer, consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("budget", [4096, 32], ids=["whole-prompts", "chunked-prefill"])
+def test_pd_over_torch_p2p_is_token_exact(checkpoint, colocated, budget) -> None:
+    _disaggregated(checkpoint, colocated, "torch_p2p", budget)
+
+
+@pytest.mark.slow
+def test_pd_over_the_ray_object_store_is_token_exact(cluster: Cluster, checkpoint,
+                                                     colocated) -> None:
+    _disaggregated(checkpoint, colocated, "ray_object_store", 32)
+
+
+@pytest.mark.slow
+def test_pd_with_a_two_stage_producer_is_token_exact(cluster: Cluster, checkpoint,
+                                                     colocated) -> None:
+    # Each producer stage publishes its own layers; the one-stage consumer loads from both.
+    _disaggregated(checkpoint, colocated, "torch_p2p", 4096, producer_pp=2)
+
+
+# -------------------------------------------------------------------------- failures
+def _hanging_endpoint() -> tuple[socket.socket, int]:
+    """A port that accepts connections and never answers (a producer that hangs)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: [server.accept() for _ in range(8)], daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+@pytest.mark.parametrize("failure", ["checksum", "dead-producer", "timeout"])
+def test_a_failed_transfer_is_recomputed(checkpoint, colocated, failure) -> None:
+    producer = engine(checkpoint, "torch_p2p", role="producer")
+    consumer = engine(checkpoint, "torch_p2p", role="consumer", load_timeout_s=2.0)
+    server, port = _hanging_endpoint()
+    try:
+        prompts = make_prompts()
+        params = params_for(prompts)
+        transfers = prefill(producer, prompts, params)
+        for transfer in transfers:
+            stage = transfer["stages"][0]
+            if failure == "checksum":
+                stage["checksums"] = [c ^ 1 for c in stage["checksums"]]
+            elif failure == "timeout":
+                stage["control_port"] = port
+        if failure == "dead-producer":
+            producer.shutdown()
+        outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
+        assert [o.outputs[0].token_ids for o in outs] == colocated
+        assert consumer.engine.totals.kv_transfer_failures == len(prompts)
+        assert_all_free(consumer)
+        if failure != "dead-producer":
+            producer.engine.core.scheduler.remote.connector.lease_s = 0.0
+            assert_all_free(producer)
+    finally:
+        server.close()
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_an_expired_lease_frees_the_producer_and_a_late_read_is_detected(
+        checkpoint, colocated) -> None:
+    producer = engine(checkpoint, "torch_p2p", role="producer", lease_s=0.2)
+    consumer = engine(checkpoint, "torch_p2p", role="consumer")
+    try:
+        prompts = make_prompts()
+        params = params_for(prompts)
+        transfers = prefill(producer, prompts, params)
+        time.sleep(0.3)
+        assert_all_free(producer)  # nobody read them: the lease freed the blocks
+        # The freed blocks get other KV before the consumer reads: checksums catch it.
+        producer.generate([[7] * 200], SamplingParams(max_tokens=1), use_tqdm=False)
+        outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
+        assert [o.outputs[0].token_ids for o in outs] == colocated
+        assert consumer.engine.totals.kv_transfer_failures > 0
+        assert_all_free(producer, consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_an_abort_while_waiting_for_remote_kv_frees_everything(checkpoint) -> None:
+    consumer = engine(checkpoint, "torch_p2p", role="consumer", load_timeout_s=1.0)
+    server, port = _hanging_endpoint()
+    producer = engine(checkpoint, "torch_p2p", role="producer")
+    try:
+        prompt = make_prompts()[3]
+        [transfer] = prefill(producer, [prompt], params_for([prompt])[:1])
+        transfer["stages"][0]["control_port"] = port
+        core = consumer.engine
+        core.add_request("r", prompt, SamplingParams(max_tokens=5),)
+        core.abort_request(["r"])  # before it ever ran: nothing to wait for
+        processed = core.process_inputs("w", prompt, SamplingParams(max_tokens=5),
+                                        kv_transfer_params=transfer)
+        core.add_processed(processed)
+        [request] = processed.sequences
+        while request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            core.step()
+        assert core.kv_cache_blocks()[0] < core.kv_cache_blocks()[1]  # it holds its blocks
+        core.abort_request(["w"])
+        assert_all_free(consumer)  # freed once the (hanging) load gave up
+    finally:
+        server.close()
+        producer.shutdown()
+        consumer.shutdown()

@@ -1,0 +1,59 @@
+"""The Ray object store transport: the producer copies a request's blocks into the object store
+when it publishes them; the reference travels in `kv_transfer_params`; the consumer fetches it,
+from whichever node holds it.
+
+The blocks can be freed at once (the copy serves the consumer); the copy itself is kept until
+the lease runs out, then deleted. A consumer that fetches after that, or from a producer that
+died (the owner of the object), gets an error: a failed load, which it recomputes.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any
+
+import ray
+import torch
+from ray import cloudpickle
+
+
+class RayObjectTransport:
+    """Owns the object references of the blocks this worker published, until released."""
+
+    holds_blocks = False
+
+    def __init__(self) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("the ray_object_store KV connector needs a Ray cluster")
+        self._refs: dict[str, ray.ObjectRef] = {}
+        self._lock = threading.Lock()
+
+    def publish(self, req_id: str, block_ids: list[int], blocks: torch.Tensor
+                ) -> dict[str, Any]:
+        ref = ray.put(blocks.to("cpu"))
+        with self._lock:
+            self._refs[req_id] = ref
+        # The reference leaves Ray's own serialization (it travels as JSON through HTTP):
+        # pickled with its owner's address, and kept alive here until released.
+        return {"transport": "ray_object_store",
+                "ref": base64.b64encode(cloudpickle.dumps(ref)).decode()}
+
+    def fetch(self, descriptor: dict[str, Any], indices: list[int],
+              timeout_s: float) -> torch.Tensor:
+        ref = cloudpickle.loads(base64.b64decode(descriptor["ref"]))
+        blocks = ray.get(ref, timeout=timeout_s)
+        return blocks[indices]
+
+    def release(self, req_id: str) -> None:
+        with self._lock:
+            ref = self._refs.pop(req_id, None)
+        if ref is not None:
+            ray._private.internal_api.free([ref])  # a ref pickled out of band is never GC'd
+
+    def take_finished_sending(self) -> set[str]:
+        return set()  # the consumer reads the copy; nothing to report
+
+    def close(self) -> None:
+        for req_id in list(self._refs):
+            self.release(req_id)
