@@ -227,3 +227,16 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="'phi3' is not supported; supported: llama, qwen2"):
         resolve_model(str(path)).arch_config()
+
+
+def test_a_gguf_tokenizer_loads_without_torch(tmp_path: Path) -> None:
+    """The HTTP ingress resolves models only for their tokenizer and must not import torch."""
+    import subprocess
+
+    path = write_gguf(tmp_path, "qwen2")
+    code = ("import sys; from tokenflow.replica.model_source import resolve_model; "
+            f"resolve_model({str(path)!r}).tokenizer().encode('hi'); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, check=True)
+    assert result.stdout.strip() == "False"
