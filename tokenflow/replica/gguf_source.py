@@ -82,9 +82,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         raise ValueError(f"{file.path.name}: GGUF architecture {arch!r} is not supported; "
                          f"supported: {', '.join(_ARCHITECTURES)}")
     _refuse_unsupported(file)
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length") or hidden // heads)
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -95,7 +93,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv") or heads),
-        "head_dim": head_dim,
+        "head_dim": _head_dim(file),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(file),
@@ -113,15 +111,13 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
 
 def _refuse_unsupported(file: GGUFFile) -> None:
     """Metadata that changes the math and that the HF config has no neutral form for."""
-    get, name = file.arch_value, file.path.name
-    head_dim = get("attention.key_length")
-    if get("attention.value_length", head_dim) != head_dim:
+    get, name, head_dim = file.arch_value, file.path.name, _head_dim(file)
+    if int(get("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"{name}: key and value head sizes differ; not implemented")
     rotary = get("rope.dimension_count")
-    full = head_dim or int(get("embedding_length")) // int(get("attention.head_count"))
-    if rotary is not None and int(rotary) != int(full):
+    if rotary is not None and int(rotary) != head_dim:
         raise ValueError(f"{name}: rope.dimension_count={rotary} rotates part of each head "
-                         f"(head size {full}); partial rotary embeddings are not implemented")
+                         f"(head size {head_dim}); partial rotary embeddings are not implemented")
     if get("attention.sliding_window"):
         raise ValueError(f"{name}: sliding-window attention in a GGUF file is not implemented")
     if get("expert_count"):
@@ -129,6 +125,14 @@ def _refuse_unsupported(file: GGUFFile) -> None:
     if "rope_freqs.weight" in file.tensors:
         raise ValueError(f"{name}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 "
                          "style scaling) are not implemented for GGUF files")
+
+
+def _head_dim(file: GGUFFile) -> int:
+    # key_length is optional: without it a head is embedding_length / head_count, as in llama.cpp.
+    stated = file.arch_value("attention.key_length")
+    if stated:
+        return int(stated)
+    return int(file.arch_value("embedding_length")) // int(file.arch_value("attention.head_count"))
 
 
 def _rope_scaling(file: GGUFFile) -> dict[str, Any] | None:
