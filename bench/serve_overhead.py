@@ -89,6 +89,9 @@ async def run_inprocess(config: AppConfig, requests: list[BenchRequest], args
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/local.yaml")
+    p.add_argument("--model", default="tokenflow-tiny",
+                   help="engine.model.model for both runs (default tokenflow-tiny: this measures "
+                        "the serving path, not the model)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     loopback_only()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     data = load_app_config(args.config).model_dump()
+    data["engine"]["model"]["model"] = args.model
     if args.num_threads is not None:
         data["engine"]["model"]["num_threads"] = args.num_threads
     if args.stream_interval is not None:

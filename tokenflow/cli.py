@@ -13,7 +13,8 @@ from tokenflow.cluster.observe import add_arguments as add_observe_arguments
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="complete prompts offline and print the results")
     p.add_argument("prompts", nargs="+", help="one or more prompts")
-    p.add_argument("--model", default="tokenflow-tiny", help="local HF directory or tokenflow-tiny")
+    p.add_argument("--model", default="tokenflow-tiny",
+                   help="tokenflow-tiny, smollm2-135m-instruct, a local HF directory or a .gguf")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -41,6 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               num_blocks=args.num_blocks, pipeline_parallel_size=args.pipeline_parallel_size,
               placement_strategy=args.placement_strategy)
+    print(f"loaded {args.model} in {llm.engine.load_time_s:.1f} s", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
                             stop=args.stop)

@@ -30,7 +30,8 @@ class ModelConfig(_Frozen):
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    # auto: what the model's files hold (safetensors or gguf; dummy for tokenflow-tiny).
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # CPU threads for the model's matmuls. None: every core this process may use. (Ray sets

@@ -8,6 +8,7 @@ users do: Ray's own `serve run` with the `applications:` YAML, and `tokenflow se
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +32,11 @@ BIN = Path(sys.executable).parent
 # ------------------------------------------------------------------------------- presets
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "autoscale.yaml"])
-def test_presets_validate(name: str) -> None:
+@pytest.mark.parametrize("name,model", [("local.yaml", "smollm2-135m-instruct"),
+                                        ("autoscale.yaml", "tokenflow-tiny")])
+def test_presets_validate(name: str, model: str) -> None:
     config = load_app_config(CONFIGS / name)
-    assert config.engine.model.model == "tokenflow-tiny"
+    assert config.engine.model.model == model
     assert config.host == "127.0.0.1"
 
 
@@ -62,7 +64,7 @@ def test_serve_yaml_is_a_valid_serve_config_with_our_args() -> None:
         (CONFIGS / "serve_local.yaml").read_text()))
     [app] = schema.applications
     assert app.import_path == "tokenflow.cluster.app:build_app"
-    assert app_config_from_args(app.args).engine.model.model == "tokenflow-tiny"
+    assert app_config_from_args(app.args).engine.model.model == "smollm2-135m-instruct"
     assert schema.http_options.host == "127.0.0.1"
 
 
@@ -206,6 +208,7 @@ def test_tokenflow_serve_joins_the_cluster_and_stops_on_sigterm(cluster: Cluster
                 break
         assert any("serving the OpenAI API at" in line for line in lines), "".join(lines)
         assert any("application" in line for line in lines)  # progress was shown
+        assert any(re.search(r"loaded tokenflow-tiny in \d+\.\d s", line) for line in lines)
         url = cluster.http_url + "/cli"
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        timeout=30)

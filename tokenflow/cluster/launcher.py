@@ -152,6 +152,19 @@ def _status_line() -> str:
     return f"application {app.status.value}; " + "; ".join(parts)
 
 
+def _report_load_time(model: str) -> None:
+    """One replica's model load time (weights, KV cache, tokenizer), as it measured it."""
+    from ray import serve
+
+    try:
+        handle = serve.get_deployment_handle("LLMServer", app_name=APP_NAME)
+        info = handle.model_info.remote().result(timeout_s=30)
+    except Exception as exc:  # informational only: never fail a running server over it
+        _say(f"(could not ask the replica for its load time: {exc})")
+        return
+    _say(f"loaded {model} in {info['load_time_s']:.1f} s")
+
+
 class ClusterWatch:
     """Owns the checks that say this server can still serve: the head processes of a cluster
     it started (Ray runs them as this process's children) are alive, and its port answers."""
@@ -225,6 +238,7 @@ def _run(config: AppConfig, started_ray: bool) -> int:
         except Exception as exc:
             _say(f"deployment failed: {exc}")
             return 1
+        _report_load_time(config.engine.model.name)
         prefix = config.route_prefix.rstrip("/")
         _say(f"serving the OpenAI API at http://{config.host}:{config.port}{prefix}/v1 "
              "(Ctrl-C to stop)")

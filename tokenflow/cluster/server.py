@@ -219,7 +219,8 @@ class LLMServer:
 
     # ------------------------------------------------------------------------- model
     def model_info(self) -> dict[str, Any]:
-        return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+        return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len,
+                "load_time_s": self.engine.load_time_s}
 
     # ------------------------------------------------------------------- health and load
     def check_health(self) -> None:

@@ -55,6 +55,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def load_time_s(self) -> float:
+        return self.engine.load_time_s
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from tokenflow.replica.engine import EngineCore
 from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
 from tokenflow.scheduler import Request, RequestStatus, SamplingParams, SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,9 +36,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        started = time.perf_counter()
         self.core = EngineCore(config)
         self.tokenizer = resolve_model(config.model.tokenizer or config.model.model).tokenizer()
         self.model_name = config.model.name
+        # Weights, KV cache and tokenizer: what a server waits for before its first request.
+        self.load_time_s = time.perf_counter() - started
+        logger.info("loaded %s in %.1f s", self.model_name, self.load_time_s)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -1,9 +1,10 @@
 """Weight loading: a `ModelSource` (config and checkpoint tensors) -> `CausalLM`.
 
-Checkpoints use Hugging Face tensor names. The loader maps each parameter of the model it built
-back to the checkpoint tensors it comes from (q/k/v rows of the fused `qkv_proj`, gate/up rows
-of `gate_up_proj`), so a pipeline stage reads only the tensors of its own layers, and a tensor
-the model needs but the checkpoint lacks is an error that names it.
+Sources yield Hugging Face tensor names (a GGUF source maps its own names to them). The loader
+maps each parameter of the model it built back to the checkpoint tensors it comes from (q/k/v
+rows of the fused `qkv_proj`, gate/up rows of `gate_up_proj`), so a pipeline stage reads only
+the tensors of its own layers, and a tensor the model needs but the checkpoint lacks is an
+error that names it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # Fused parameter -> the checkpoint tensors stacked along dim 0, in order.
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -63,11 +65,14 @@ def load_model(
     seed: int = 0,
 ) -> CausalLM:
     """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights."""
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"unknown load_format {load_format!r}; valid: auto, safetensors, dummy")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
     if load_format == "auto":
         load_format = source.auto_load_format
+    if load_format not in ("dummy", source.weight_format):
+        raise ValueError(f"model {source.name!r} has {source.weight_format} weights; "
+                         f"load_format={load_format!r} cannot read them (use auto or dummy)")
     arch = source.arch_config()
     model_cls = get_model_class(arch.architecture)
     device = torch.device(device)

