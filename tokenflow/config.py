@@ -110,6 +110,23 @@ class ParallelConfig(_Frozen):
                                           and self.pipeline_parallel_size > 1)
 
 
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding: who drafts, and how many tokens a step verifies at most. `ngram`
+    (prompt lookup) drafts the tokens that followed the last occurrence of the request's latest
+    n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`."""
+
+    method: Literal["ngram"] | None = None
+    num_speculative_tokens: int = Field(default=4, ge=1)
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
 class KVTransferConfig(_Frozen):
     """Moving KV blocks between engines (prefill/decode disaggregation): which connector, this
     engine's role, and how long transfers may take and published blocks may wait."""
@@ -131,6 +148,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

@@ -57,13 +57,16 @@ PD_APP = "pd"
 
 
 def pd_app_args(connector: str = "torch_p2p") -> dict[str, Any]:
-    """A prefill and a decode deployment of the embedded model, one replica each."""
+    """A prefill and a decode deployment of the embedded model, one replica each; the decode
+    side speculates with n-gram drafts."""
     def engine(role: str) -> dict[str, Any]:
         return {**ENGINE_ARGS, "model": {"model": "tokenflow-tiny", "num_threads": 1},
                 "kv_transfer": {"connector": connector, "role": role, "lease_s": 10}}
 
     deployment = {"num_replicas": 1, "ray_actor_options": SERVER_ACTOR_OPTIONS}
-    return {"engine": engine("consumer"), "deployment": deployment, "api_key": API_KEY,
+    # The decode side also drafts (n-gram speculative decoding): tokens are the same.
+    decode = {**engine("consumer"), "speculative": {"method": "ngram", "prompt_lookup_min": 1}}
+    return {"engine": decode, "deployment": deployment, "api_key": API_KEY,
             "prefill": {"engine": engine("producer"), "deployment": deployment}}
 
 

@@ -70,7 +70,9 @@ def _has_data(prom: Prometheus, expr: str) -> bool:
 def _load_disaggregated(app: App) -> None:
     """Requests through prefill and decode replicas (KV transfers), and one whose transfer
     params point nowhere (a failed load, recomputed)."""
-    assert [_complete(app, f"disaggregated {i}", 8, app.api_key) for i in range(3)] == [200] * 3
+    # Repetitive text, so the decode side's n-gram drafts get accepted.
+    prompts = [f"disaggregated {i} " + "again and again " * 6 for i in range(3)]
+    assert [_complete(app, p, 24, app.api_key) for p in prompts] == [200] * 3
     bogus = {"do_remote_prefill": True, "num_tokens": 3, "block_size": 16,
              "first_token_ids": [5], "stages": [{
                  "transport": "torch_p2p", "host": "127.0.0.1", "control_port": 9,

@@ -106,7 +106,8 @@ class FakeRunner:
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            start = max(cached.num_computed_tokens[i], state.num_prompt)
+            start = min(max(cached.num_computed_tokens[i], state.num_prompt),
+                        len(state.token_ids))
             new_tokens = cached.new_token_ids[i]
             state.token_ids[start:start + len(new_tokens)] = new_tokens
             if cached.resumed_from_preemption[i]:

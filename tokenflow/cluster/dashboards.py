@@ -112,9 +112,28 @@ def _engine() -> list[Panel]:
         Panel("engine", "Preemptions / s", (
             Query(rate("tokenflow_num_preemptions", by="replica"), "{{replica}}"),), "short",
               "Requests preempted for lack of KV blocks (their blocks are freed and recomputed)."),
+        *_speculative(),
         Panel("engine", "Batch size (running requests per replica)", (
             Query(f"sum by (replica) ({metric('tokenflow_num_requests_running')}{_TF})",
                   "{{replica}}"),), "short", "Sequences in each replica's running batch."),
+    ]
+
+
+def _speculative() -> list[Panel]:
+    """Speculative decoding: how many drafts the model accepts."""
+    drafts, tokens = "tokenflow_spec_decode_num_drafts", "tokenflow_spec_decode_num_draft_tokens"
+    accepted = "tokenflow_spec_decode_num_accepted_tokens"
+    per_pos = "tokenflow_spec_decode_num_accepted_tokens_per_pos"
+    return [
+        Panel("engine", "Speculative decoding: acceptance rate", (
+            Query(f"{rate(accepted)} / clamp_min({rate(tokens)}, 1e-9)", "accepted / drafted"),),
+              "percentunit", "Share of draft tokens the model accepted (0 without drafts)."),
+        Panel("engine", "Speculative decoding: mean accepted length", (
+            Query(f"{rate(accepted)} / clamp_min({rate(drafts)}, 1e-9)", "tokens per step"),),
+              "short", "Draft tokens accepted per verifying step (each step adds one more)."),
+        Panel("engine", "Speculative decoding: accepted per position", (
+            Query(rate(per_pos, by="position"), "position {{position}}"),), "short",
+              "Accepted draft tokens per second at each position of a step's drafts."),
     ]
 
 

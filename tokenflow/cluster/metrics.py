@@ -65,6 +65,10 @@ class SchedulerSnapshot:
     kv_transfer_bytes_total: int = 0
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_failures_total: int = 0
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accepted_per_pos_total: tuple[int, ...] = ()
 
 
 class ServerMetrics:
@@ -121,6 +125,16 @@ class ServerMetrics:
         self.kv_transfer_failures = counter(
             "tokenflow_kv_transfer_failures",
             "KV loads that failed (their prompts were recomputed locally).")
+        self.spec_drafts = counter("tokenflow_spec_decode_num_drafts",
+                                   "Steps in which a request verified draft tokens.")
+        self.spec_draft_tokens = counter("tokenflow_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.")
+        self.spec_accepted = counter("tokenflow_spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted.")
+        self.spec_accepted_per_pos = tagged(Counter(
+            "tokenflow_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a step's drafts (0: the first).",
+            tag_keys=(*_TAG_KEYS, "position")))
         self._reported = SchedulerSnapshot(0, 0, 0.0, 0, 0, 0)
 
     def observe_request(self, t: RequestTiming) -> None:
@@ -152,6 +166,14 @@ class ServerMetrics:
              s.kv_transfer_seconds_total - last.kv_transfer_seconds_total)
         _inc(self.kv_transfer_failures,
              s.kv_transfer_failures_total - last.kv_transfer_failures_total)
+        _inc(self.spec_drafts, s.spec_drafts_total - last.spec_drafts_total)
+        _inc(self.spec_draft_tokens, s.spec_draft_tokens_total - last.spec_draft_tokens_total)
+        _inc(self.spec_accepted, s.spec_accepted_tokens_total - last.spec_accepted_tokens_total)
+        before = last.spec_accepted_per_pos_total
+        for pos, total in enumerate(s.spec_accepted_per_pos_total):
+            gained = total - (before[pos] if pos < len(before) else 0)
+            if gained > 0:
+                self.spec_accepted_per_pos.inc(gained, tags={"position": str(pos)})
         self._reported = s
 
 

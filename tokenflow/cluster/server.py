@@ -263,7 +263,10 @@ class LLMServer:
                                  1 - num_free / num_blocks, totals.prefix_cache_queries,
                                  totals.prefix_cache_hits, totals.num_preemptions,
                                  stats.num_waiting_for_remote_kvs, totals.kv_transfer_bytes,
-                                 totals.kv_transfer_seconds, totals.kv_transfer_failures)
+                                 totals.kv_transfer_seconds, totals.kv_transfer_failures,
+                                 totals.num_drafts, totals.num_draft_tokens,
+                                 totals.num_accepted_tokens,
+                                 tuple(totals.num_accepted_tokens_per_pos))
 
     def __del__(self) -> None:
         # Serve calls __del__ when it stops a replica: stop the engine thread cleanly.

@@ -88,7 +88,10 @@ class EngineCore:
             runner_out = result.result()
         except Exception as exc:  # one failed batch must not kill the loop
             return self._fail(sched_out, exc)
-        return self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if runner_out.draft_token_ids:  # verified in the request's next step
+            self.scheduler.update_draft_token_ids(runner_out.draft_token_ids)
+        return outputs
 
     def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> EngineCoreOutputs:
         logger.error("step failed; finishing its %d requests with an error: %s",

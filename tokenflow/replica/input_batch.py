@@ -45,6 +45,7 @@ class StepInputs:
     block_table: np.ndarray  # [num_reqs, max_blocks] int32
     num_computed: np.ndarray  # [num_reqs] int64, before this step
     sample_mask: np.ndarray  # [num_reqs] bool: the chunk reaches the last known token
+    drafts: dict[str, list[int]]  # the draft tokens each request verifies this step
 
 
 class InputBatch:
@@ -85,7 +86,9 @@ class InputBatch:
         for i, req_id in enumerate(cached.req_ids):
             state = self.states[req_id]
             num_prompt = len(state.prompt_token_ids)
-            start = max(cached.num_computed_tokens[i], num_prompt)
+            # From the computed frontier, but never past what this worker knows: accepted
+            # drafts are computed before it learns them as outputs.
+            start = min(max(cached.num_computed_tokens[i], num_prompt), state.num_tokens)
             new_tokens = cached.new_token_ids[i]
             if new_tokens:
                 del state.output_token_ids[start - num_prompt:]
@@ -101,6 +104,11 @@ class InputBatch:
             n = state.num_blocks
             self.block_table[state.row, n:n + len(block_ids)] = block_ids
             state.num_blocks = n + len(block_ids)
+
+    def known_tokens(self, req_id: str) -> np.ndarray:
+        """A request's prompt and outputs so far (a view of its row)."""
+        state = self.states[req_id]
+        return self.token_ids[state.row, :state.num_tokens]
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -145,4 +153,5 @@ class InputBatch:
             block_table=self.block_table[rows, :max_blocks],
             num_computed=num_computed,
             sample_mask=seq_lens - num_drafts >= num_known,
+            drafts=spec,
         )

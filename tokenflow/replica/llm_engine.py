@@ -157,6 +157,11 @@ class LLMEngine:
         totals = self.totals
         for name in _COUNTERS:
             setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+        per_position = totals.num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.num_accepted_tokens_per_pos):
+            if pos == len(per_position):
+                per_position.append(0)
+            per_position[pos] += count
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tokenflow.replica.attention import AttentionMetadata
+from tokenflow.replica.drafter import NgramDrafter
 from tokenflow.replica.input_batch import CachedRequestState, InputBatch, StepInputs
 from tokenflow.replica.models.llama import CausalLM
 from tokenflow.replica.sampler import Sampler, SamplingMetadata
@@ -30,7 +31,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], *, block_size: int,
-                 max_model_len: int, device: torch.device, seed: int = 0) -> None:
+                 max_model_len: int, device: torch.device, seed: int = 0,
+                 drafter: NgramDrafter | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -38,6 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.batch = InputBatch(max_model_len, block_size)
         self.sampler = Sampler(seed=seed, device=device)
+        self.drafter = drafter
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -65,26 +68,47 @@ class ModelRunner:
         return self._sample(inputs, hidden)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """Sample every request whose chunk reaches its last known token. A request verifying
+        d drafts gets d + 1 rows, one per position, each seeing the drafts before it as
+        outputs; sampling row j and accepting draft j when the token equals it is exactly
+        rejection sampling for a deterministic draft, and greedy-exact. The first rejected
+        position's token (or the bonus token after the last draft) ends the request's run."""
         states = [self.batch.states[r] for r in inputs.req_ids]
-        sample_idx = np.flatnonzero(inputs.sample_mask)
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: dict[str, list[TokenLogprobs]] = {}
-        if len(sample_idx):
-            rows = [states[i] for i in sample_idx]
-            last_token = inputs.query_start_loc[1:][sample_idx] - 1
-            logits = self.model.compute_logits(hidden[self._tensor(last_token.astype(np.int64))])
-            meta = SamplingMetadata.build(
-                [s.sampling_params for s in rows], [s.output_token_ids for s in rows],
-                [s.prompt_token_ids for s in rows], self.device,
-                [s.eos_token_id for s in rows])
+        rows = _SampleRows(inputs, states)
+        if rows.positions:
+            logits = self.model.compute_logits(
+                hidden[self._tensor(np.asarray(rows.positions, dtype=np.int64))])
+            meta = SamplingMetadata.build(rows.params, rows.outputs, rows.prompts,
+                                          self.device, rows.eos)
             result = self.sampler(logits, meta)
             token_ids = result.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx):
-                sampled[i] = [token_ids[j]]
-                if result.logprobs and result.logprobs[j] is not None:
-                    logprobs[inputs.req_ids[i]] = [result.logprobs[j]]
+            for i, first, drafts in rows.requests:
+                kept = _accept(token_ids, first, drafts)
+                sampled[i] = kept
+                if result.logprobs and result.logprobs[first] is not None:
+                    logprobs[inputs.req_ids[i]] = result.logprobs[first:first + len(kept)]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, states)
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs or None, prompt_logprobs)
+        drafts = self._propose(inputs, sampled) if self.drafter is not None else None
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs or None, prompt_logprobs,
+                                 draft_token_ids=drafts)
+
+    def _propose(self, inputs: StepInputs, sampled: list[list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of every request that just sampled (it is decoding)."""
+        assert self.drafter is not None
+        proposals: dict[str, list[int]] = {}
+        for req_id, new in zip(inputs.req_ids, sampled, strict=True):
+            if not new:
+                continue
+            state = self.batch.states[req_id]
+            room = (state.sampling_params.max_tokens or 1 << 30) - len(
+                state.output_token_ids) - len(new) - 1
+            tokens = np.concatenate((self.batch.known_tokens(req_id), np.asarray(new)))
+            drafts = self.drafter.propose(tokens, room)
+            if drafts:
+                proposals[req_id] = drafts
+        return proposals
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
                          states: list[CachedRequestState]) -> dict[str, list[TokenLogprobs | None]] | None:
@@ -128,3 +152,43 @@ def _token_logprobs(lps: torch.Tensor, targets: list[int], num_top: int) -> list
         out.append(TokenLogprobs([tok, *top_ids[j].tolist()],
                                  [float(chosen[j]), *top_vals[j].tolist()], int(ranks[j])))
     return out
+
+
+class _SampleRows:
+    """The rows one step samples: per request that samples, one row per position it
+    verifies (the last known token and each draft), in request order."""
+
+    __slots__ = ("eos", "outputs", "params", "positions", "prompts", "requests")
+
+    def __init__(self, inputs: StepInputs, states: list[CachedRequestState]) -> None:
+        self.positions: list[int] = []
+        self.params: list = []
+        self.outputs: list[list[int]] = []
+        self.prompts: list[list[int]] = []
+        self.eos: list[int | None] = []
+        self.requests: list[tuple[int, int, list[int]]] = []  # (index, first row, drafts)
+        ends = inputs.query_start_loc[1:]
+        for i in np.flatnonzero(inputs.sample_mask).tolist():
+            state = states[i]
+            drafts = inputs.drafts.get(state.req_id, []) if inputs.drafts else []
+            self.requests.append((i, len(self.positions), drafts))
+            end = int(ends[i])
+            for j in range(len(drafts) + 1):
+                self.positions.append(end - 1 - len(drafts) + j)
+                self.params.append(state.sampling_params)
+                self.outputs.append(state.output_token_ids + drafts[:j] if j
+                                    else state.output_token_ids)
+                self.prompts.append(state.prompt_token_ids)
+                self.eos.append(state.eos_token_id)
+
+
+def _accept(token_ids: list[int], first: int, drafts: list[int]) -> list[int]:
+    """The tokens a request keeps: its sampled tokens up to and including the first that
+    differs from its draft (all of them, the bonus token included, if none does)."""
+    kept = []
+    for j in range(len(drafts) + 1):
+        token = token_ids[first + j]
+        kept.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return kept

@@ -11,6 +11,7 @@ import torch
 from tokenflow.config import EngineConfig
 from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
 from tokenflow.net import free_port
+from tokenflow.replica.drafter import NgramDrafter
 from tokenflow.replica.loader import load_model, resolve_dtype
 from tokenflow.replica.model_runner import ModelRunner
 from tokenflow.replica.model_source import resolve_model
@@ -107,9 +108,14 @@ class Worker:
         shape = (2, num_blocks, bs, arch.num_kv_heads, arch.head_dim)
         kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                      for _ in range(self.num_layers)]
+        spec = self.config.speculative
+        drafter = None
+        if spec.method == "ngram" and self.model.is_last_stage:  # it samples, so it drafts
+            drafter = NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                   spec.prompt_lookup_max)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs,
                                   max_model_len=max_model_len, device=self.device,
-                                  seed=self.config.model.seed)
+                                  seed=self.config.model.seed, drafter=drafter)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_caches, self.layer_range)
 

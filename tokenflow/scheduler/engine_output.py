@@ -21,6 +21,8 @@ class SchedulerStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Drafts accepted at each position (position 0: the first draft token of a step).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_waiting_for_remote_kvs: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0

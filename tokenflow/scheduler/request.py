@@ -75,6 +75,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_output_placeholders: int = 0
     num_preemptions: int = 0
+    # Accepted draft tokens the workers have not been sent yet: they lie before
+    # num_computed_tokens, where the next step's token delta would otherwise start.
+    num_unsent_tokens: int = 0
     # Prefix-cache hit of the first admission, reported to the client; -1 until admitted.
     num_cached_tokens: int = -1
     stop_reason: int | str | None = None

@@ -27,3 +27,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] | None = None
     # One `KVConnectorOutput` per pipeline stage, when a KV connector is configured.
     kv_connector_outputs: list[Any] | None = None
+    # Draft tokens proposed for each decoding request's next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] | None = None

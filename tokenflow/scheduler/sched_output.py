@@ -30,9 +30,10 @@ class CachedRequestData:
     """Deltas for requests the workers already hold: owns five parallel columns, one entry a
     request (columns pickle smaller than one object per request).
 
-    `new_token_ids[i]` are all known output tokens from position
-    `max(num_computed_tokens[i], num_prompt_tokens)` to the end (one token for a decode step),
-    so a worker always knows whether this step's chunk reaches the last token and must sample;
+    `new_token_ids[i]` are the known output tokens from position
+    `min(max(num_computed_tokens[i], num_prompt_tokens), tokens the worker knows)` to the end
+    (one token for a plain decode step; after accepted drafts, those too), so a worker always
+    knows whether this step's chunk reaches the last token and must sample;
     `new_block_ids[i]` are blocks appended to the request's table, or its whole table when
     `resumed_from_preemption[i]`.
     """

@@ -227,8 +227,11 @@ class Scheduler:
             num_scheduled[req_id] = num_new
             budget -= num_new
             num_prompt = request.num_prompt_tokens
-            append_cached(req_id, False,
-                          all_tokens[num_computed if num_computed > num_prompt else num_prompt:],
+            start = num_computed
+            if request.num_unsent_tokens:  # accepted drafts the workers never saw as outputs
+                start -= request.num_unsent_tokens
+                request.num_unsent_tokens = 0
+            append_cached(req_id, False, all_tokens[start if start > num_prompt else num_prompt:],
                           [b.block_id for b in new_blocks] if new_blocks else [], num_computed)
             request.num_computed_tokens = num_computed + num_new
             if request.spec_token_ids and num_computed + num_new > num_tokens:
@@ -265,6 +268,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_unsent_tokens = 0  # a resumed request is sent all its tokens again
         victim.spec_token_ids = []
         victim.num_preemptions += 1
         self._stats.num_preemptions += 1
@@ -403,11 +407,17 @@ class Scheduler:
     def _account_spec(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         num_accepted = max(num_sampled - 1, 0)
         request.num_computed_tokens -= num_drafts - num_accepted
+        request.num_unsent_tokens = num_accepted
         request.spec_token_ids = []
         stats = self._stats
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
+        per_position = stats.num_accepted_tokens_per_pos
+        if len(per_position) < num_drafts:
+            per_position.extend([0] * (num_drafts - len(per_position)))
+        for pos in range(num_accepted):
+            per_position[pos] += 1
 
     def _finish_stopped(self, request: Request, out: EngineCoreOutput, num_trim: int) -> None:
         """Drop the `num_trim` tokens sampled after the stop, report why, and free."""
