@@ -14,7 +14,6 @@ import threading
 from typing import Any
 
 import ray
-import ray._private.internal_api as ray_internal
 import torch
 from ray import cloudpickle
 
@@ -50,7 +49,7 @@ class RayObjectTransport:
         with self._lock:
             ref = self._refs.pop(req_id, None)
         if ref is not None:
-            ray_internal.free([ref])  # a ref pickled out of band is never GC'd
+            _unpin(ref)
 
     def take_finished_sending(self) -> set[str]:
         return set()  # the consumer reads the copy; nothing to report
@@ -58,3 +57,12 @@ class RayObjectTransport:
     def close(self) -> None:
         for req_id in list(self._refs):
             self.release(req_id)
+
+
+def _unpin(ref: ray.ObjectRef) -> None:
+    """Let the object go once nobody holds it. Pickling a reference out of band (with
+    cloudpickle, not through a task) makes Ray pin it with one local reference for the
+    worker's lifetime, and Ray 2.60 has no public call to free it; removing that one
+    reference undoes exactly the pin, so it is freed when the last holder (this dict's entry,
+    a consumer still fetching) lets go."""
+    ray._private.worker.global_worker.core_worker.remove_object_ref_reference(ref)
