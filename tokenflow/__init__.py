@@ -1,7 +1,7 @@
 """tokenflow: an LLM serving cluster on Ray Serve.
 
-`from tokenflow import LLM, SamplingParams` gives the offline API, as vLLM users expect. Both are
-imported on first use, so that importing a light part of the package (the HTTP ingress, the
+`from tokenflow import LLM, SamplingParams, StructuredOutputsParams` gives the offline API, as
+vLLM users expect. They are imported on first use, so that importing a light part of the package (the HTTP ingress, the
 configs) does not import torch.
 """
 
@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenflow.replica.llm import LLM
-    from tokenflow.scheduler.sampling_params import SamplingParams
+    from tokenflow.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,8 +21,8 @@ def __getattr__(name: str) -> Any:
         from tokenflow.replica.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from tokenflow.scheduler.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from tokenflow.scheduler import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

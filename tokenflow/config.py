@@ -140,6 +140,19 @@ class KVTransferConfig(_Frozen):
     lease_s: float = Field(default=30.0, gt=0)
 
 
+class StructuredOutputsConfig(_Frozen):
+    """Grammar-constrained decoding (JSON schema, regex, choice, EBNF) with xgrammar: how JSON
+    may be laid out, and how many threads compile grammars (off the engine thread)."""
+
+    backend: Literal["xgrammar"] = "xgrammar"
+    # vLLM's option: JSON on one line with ", " and ": " separators, no other whitespace.
+    disable_any_whitespace: bool = False
+    # Otherwise at most this many whitespace characters between JSON elements: a model must
+    # not be able to fill its whole budget with newlines (weak and random models do).
+    max_whitespace: int = Field(default=8, ge=1)
+    compile_threads: int = Field(default=2, ge=1)
+
+
 class EngineConfig(_Frozen):
     """Everything one engine replica needs to build its scheduler, cache and workers."""
 
@@ -149,6 +162,7 @@ class EngineConfig(_Frozen):
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

@@ -159,8 +159,20 @@ MALFORMED: list[tuple[str, dict[str, Any] | list[Any], int, str | None]] = [
     (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
     (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
-    (CHAT, {"messages": OK_MSGS, "response_format": {"type": "json_object"}}, 400,
+    (CHAT, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    (CHAT, {"messages": OK_MSGS, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
+    (CHAT, {"messages": OK_MSGS, "response_format": {
+        "type": "json_object", "json_schema": {"name": "x"}}}, 400, "response_format.json_schema"),
+    (CMPL, {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs"),
+    (CMPL, {"prompt": "hi", "structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, 400,
+     "structured_outputs"),
+    (CMPL, {"prompt": "hi", "guided_choice": "yes"}, 400, "guided_choice"),
+    # Parsed by the engine (xgrammar), not the schema: still the client's 400.
+    (CHAT, {"messages": OK_MSGS, "structured_outputs": {"json": {"type": "strin"}}}, 400, None),
+    (CMPL, {"prompt": "hi", "guided_grammar": "root ::= nothing"}, 400, None),
     # Python's json parser accepts `Infinity`; the schema must still refuse it.
     (CHAT, {"messages": OK_MSGS, "temperature": float("inf")}, 400, "temperature"),
     ("/tokenize", {}, 400, "messages"),

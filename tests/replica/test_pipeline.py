@@ -4,6 +4,7 @@ and nothing is left behind."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from tests.replica.test_engine import SCENARIOS, _load_hf, hf_greedy, make_promp
 from tokenflow.replica.llm import LLM
 from tokenflow.replica.pipeline import stage_layer_ranges
 from tokenflow.scheduler import SamplingParams
+from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +96,14 @@ def test_pp2_sampling_stops_n_and_aborts_match_pp1(cluster: Cluster, checkpoint)
             assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         got_stop = two.generate([prompts[0]], stop, use_tqdm=False)[0].outputs[0]
         assert (got_stop.text, got_stop.finish_reason) == (expected_stop.text, "stop")
+        # Structured output: the last stage applies the grammar bitmask it is sent.
+        regex = StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{1,3}")
+        structured = SamplingParams(max_tokens=30, temperature=0.9, seed=3,
+                                    structured_outputs=regex)
+        want = [o.outputs[0].text for o in one.generate(prompts[:3], structured, use_tqdm=False)]
+        assert [o.outputs[0].text for o in two.generate(prompts[:3], structured,
+                                                        use_tqdm=False)] == want
+        assert all(re.fullmatch(regex.regex, text) for text in want), want
         # An abort while batches are in flight frees everything.
         engine = two.engine
         engine.add_request("a", prompts[3], SamplingParams(max_tokens=50, ignore_eos=True))

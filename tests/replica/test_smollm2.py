@@ -9,6 +9,8 @@ produce our sequence.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from tests.replica.test_gguf import assert_same_tokenizer
 from tokenflow.replica.llm import LLM
 from tokenflow.replica.model_source import SMOLLM2_MODEL_NAME, resolve_model
 from tokenflow.scheduler import SamplingParams
+from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,3 +90,19 @@ def test_greedy_is_token_exact_chunked_with_prefix_hits_and_preemption(source, h
             logits = hf(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1:]
         assert logits.argmax(-1).tolist() == ours, tok.decode(prompt)
         assert out.outputs[0].text == hf_tok.decode(ours, skip_special_tokens=True)
+
+
+def test_json_mode_gives_an_object(source) -> None:
+    """`json_object` (any JSON object: unbounded, so a random model never closes its strings)
+    on the real model, whose answer the grammar only has to keep in shape."""
+    tok = source.tokenizer()
+    question = "Give me a JSON object describing a cat, with its name and age."
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": question}]),
+                        add_special_tokens=False)
+    llm = LLM(SMOLLM2_MODEL_NAME, max_model_len=256)
+    out = llm.generate(prompt, SamplingParams(
+        max_tokens=60, temperature=0.0,
+        structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    cat = json.loads(out.outputs[0].text)
+    assert isinstance(cat, dict) and "name" in cat

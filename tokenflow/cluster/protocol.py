@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from tokenflow.cluster.errors import bad_request, from_validation_errors
-from tokenflow.scheduler.sampling_params import SamplingParams
+from tokenflow.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -78,6 +78,56 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: a named schema the output must follow. Without
+    `schema` the output is any JSON object."""
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_for_json_schema(cls, value: JsonSchemaFormat | None,
+                                info: ValidationInfo) -> JsonSchemaFormat | None:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema is only allowed with type 'json_schema'")
+        return value
+
+    def to_params(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise bad_request("response_format type 'json_schema' needs a json_schema",
+                                  "response_format")
+            if self.json_schema.schema_ is not None:
+                return StructuredOutputsParams(json=self.json_schema.schema_)
+        return StructuredOutputsParams(json_object=True)
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` extra: exactly one constraint (checked when built)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool = False
+
+    def to_params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice,
+                                       grammar=self.grammar, json_object=self.json_object)
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM-style extras.
 
@@ -108,6 +158,14 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     kv_transfer_params: dict[str, Any] | None = None
+    # Constrained output: OpenAI's response_format, vLLM's structured_outputs, or the
+    # guided_* fields of older vLLM versions (one of them at most).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -140,6 +198,28 @@ class _SamplingRequest(_Request):
         """Whether a streamed response ends with a usage event."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request gives, in whichever API's spelling."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex,
+                  "choice": self.guided_choice, "grammar": self.guided_grammar}
+        given = {name: value for name, value in (
+            ("response_format", self.response_format
+             if self.response_format and self.response_format.type != "text" else None),
+            ("structured_outputs", self.structured_outputs),
+            *((f"guided_{k}", v) for k, v in guided.items())) if value is not None}
+        if len(given) > 1:
+            raise bad_request(f"give one output constraint, not {' and '.join(given)}",
+                              next(iter(given)))
+        if not given:
+            return None
+        name, value = next(iter(given.items()))
+        try:
+            if name.startswith("guided_"):
+                return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+            return value.to_params()
+        except ValueError as exc:
+            raise bad_request(str(exc), name) from exc
+
     def _build_sampling_params(self, max_tokens: int | None, default_max_tokens: int | None,
                                min_tokens: int, logprobs: int | None) -> SamplingParams:
         given = {
@@ -163,6 +243,7 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=self._structured_outputs(),
                 **{k: v for k, v in given.items() if v is not None},
             )
         except ValueError as exc:
@@ -301,7 +382,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -323,13 +403,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if value:
             raise ValueError("tools are not supported")
         return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
-        return value
 
     @property
     def effective_max_tokens(self) -> int | None:

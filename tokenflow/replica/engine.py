@@ -8,6 +8,8 @@ from collections import deque
 
 from tokenflow.config import EngineConfig
 from tokenflow.replica.executor import Executor, StepResult, build_executor
+from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.structured_output import StructuredOutputManager
 from tokenflow.scheduler import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -40,9 +42,14 @@ class EngineCore:
         self.executor = executor or build_executor(config)
         self.max_model_len = self.executor.max_model_len
         self.vocab_size = self.executor.vocab_size
+        model = config.model
+        # Its compiler reads the tokenizer on first use, in a compile thread.
+        self.structured_outputs = StructuredOutputManager(
+            config.structured_outputs,
+            lambda: resolve_model(model.tokenizer or model.model).tokenizer(), self.vocab_size)
         self.scheduler = build_scheduler(
             config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
-            config.kv_transfer, config.parallel.pipeline_parallel_size)
+            config.kv_transfer, config.parallel.pipeline_parallel_size, self.structured_outputs)
         self._max_in_flight = config.parallel.pipeline_parallel_size
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
@@ -103,4 +110,5 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()

@@ -11,6 +11,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.replica.engine import EngineCore
 from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
+from tokenflow.replica.structured_output import grammar_of
 from tokenflow.scheduler import Request, RequestStatus, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,11 @@ class LLMEngine:
                 raise ValueError(f"{name} must be <= the vocabulary size {self.vocab_size}")
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            # Parse the schema, regex or grammar now (cheap; compiling it against the
+            # vocabulary is not, and happens off the engine thread): a bad one is the
+            # client's 400, not a failed request later.
+            grammar_of(params.structured_outputs, self.config.structured_outputs)
 
     # ------------------------------------------------------------------------- requests
     def add_processed(self, processed: ProcessedRequest) -> None:

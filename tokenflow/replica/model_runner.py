@@ -11,8 +11,9 @@ from tokenflow.replica.attention import AttentionMetadata
 from tokenflow.replica.drafter import NgramDrafter
 from tokenflow.replica.input_batch import CachedRequestState, InputBatch, StepInputs
 from tokenflow.replica.models.llama import CausalLM
-from tokenflow.replica.sampler import Sampler, SamplingMetadata
+from tokenflow.replica.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenflow.scheduler.sched_output import GrammarBitmask
 
 
 @dataclass
@@ -65,14 +66,16 @@ class ModelRunner:
             intermediate.residual if intermediate else None)
         if not self.model.is_last_stage:
             return IntermediateTensors(hidden, residual)
-        return self._sample(inputs, hidden)
+        return self._sample(inputs, hidden, sched_out.grammar_bitmask)
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor,
+                grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Sample every request whose chunk reaches its last known token. A request verifying
         d drafts gets d + 1 rows, one per position, each seeing the drafts before it as
         outputs; sampling row j and accepting draft j when the token equals it is exactly
         rejection sampling for a deterministic draft, and greedy-exact. The first rejected
-        position's token (or the bonus token after the last draft) ends the request's run."""
+        position's token (or the bonus token after the last draft) ends the request's run.
+        Rows of structured-output requests first lose the tokens their grammar forbids."""
         states = [self.batch.states[r] for r in inputs.req_ids]
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -80,6 +83,9 @@ class ModelRunner:
         if rows.positions:
             logits = self.model.compute_logits(
                 hidden[self._tensor(np.asarray(rows.positions, dtype=np.int64))])
+            if grammar is not None:
+                masked, mask_rows = rows.grammar_rows(inputs.req_ids, grammar)
+                apply_token_bitmask(logits, masked, grammar.bitmask[mask_rows])
             meta = SamplingMetadata.build(rows.params, rows.outputs, rows.prompts,
                                           self.device, rows.eos)
             result = self.sampler(logits, meta)
@@ -180,6 +186,19 @@ class _SampleRows:
                                     else state.output_token_ids)
                 self.prompts.append(state.prompt_token_ids)
                 self.eos.append(state.eos_token_id)
+
+
+    def grammar_rows(self, req_ids: list[str], grammar: GrammarBitmask
+                     ) -> tuple[list[int], list[int]]:
+        """(logit rows, bitmask rows) of the requests `grammar` constrains, pairwise."""
+        logit_rows: list[int] = []
+        mask_rows: list[int] = []
+        for i, first, drafts in self.requests:
+            start = grammar.first_row.get(req_ids[i])
+            if start is not None:
+                logit_rows.extend(range(first, first + len(drafts) + 1))
+                mask_rows.extend(range(start, start + len(drafts) + 1))
+        return logit_rows, mask_rows
 
 
 def _accept(token_ids: list[int], first: int, drafts: list[int]) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenflow.scheduler import TokenLogprobs
@@ -300,3 +301,15 @@ def _bincount(
     index = torch.where(token_ids < 0, vocab, token_ids)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab]
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Set to -inf, in place, the logits of `rows` whose tokens their packed bitmask rows
+    (xgrammar's layout: bit t % 32 of int32 word t // 32 set = token t allowed) forbid."""
+    if not rows:
+        return
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -98,6 +98,27 @@ class Tokenizer:
         included): a vocabulary entry is never shorter than the text it covers."""
         return max(len(token.encode()) for token in self._tok.get_vocab(with_added_tokens=True))
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's vocabulary string (byte-level or sentencepiece form) and its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @functools.cached_property
+    def token_encoding(self) -> str:
+        """How vocabulary strings stand for bytes: "byte_level" (GPT-2's printable bytes),
+        "byte_fallback" (sentencepiece pieces with <0xNN> tokens) or "raw" (the text itself),
+        read from tokenizer.json's decoder."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        return "byte_fallback" if "ByteFallback" in kinds else "raw"
+
+    @functools.cached_property
+    def adds_prefix_space(self) -> bool:
+        """Whether encoding prepends a space to the text (sentencepiece's "▁" on "a")."""
+        ids = self._tok.encode("a", add_special_tokens=False).ids
+        return bool(ids) and (self._tok.id_to_token(ids[0]) or "").startswith("▁")
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean_up_tokenization_spaces: transformers 5 and vLLM skip it for BPE too.
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -27,7 +27,10 @@ def build_scheduler(
     max_model_len: int,
     kv_transfer: KVTransferConfig | None = None,
     num_stages: int = 1,
+    structured_outputs: object | None = None,
 ) -> Scheduler:
+    """The configured scheduler class; `structured_outputs` is the engine's grammar manager
+    (replica.structured_output.StructuredOutputManager), None where the engine has none."""
     cls: type[Scheduler] = Scheduler
     if scheduler_config.scheduler_cls:
         cls = import_scheduler_cls(scheduler_config.scheduler_cls)
@@ -35,4 +38,4 @@ def build_scheduler(
             f"using custom scheduler {scheduler_config.scheduler_cls}: the scheduler interface "
             "is not stable and may change without notice", UserWarning, stacklevel=2)
     return cls(scheduler_config, cache_config, num_blocks, max_model_len, kv_transfer,
-               num_stages)
+               num_stages, structured_outputs=structured_outputs)

@@ -83,6 +83,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    # Its structured-output grammar (replica.structured_output.RequestGrammar); None: free text.
+    grammar: Any = None
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
     # Set by the scheduler at admission, so the per-token stop pre-check is two comparisons.

@@ -2,7 +2,44 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of
+    a JSON schema (`json`, a dict or its JSON text), a regular expression, a list of choices,
+    an EBNF grammar (xgrammar's dialect, GBNF-like), or any JSON object (`json_object`).
+
+    Checked for shape here; whether a schema or grammar compiles is checked by the engine
+    (a ValueError the API turns into a 400)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of "
+                             f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)  # one picklable, cacheable form
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of json, regex, choice, grammar, json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
 @dataclass
@@ -27,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -63,6 +63,17 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens the structured-output requests that sample this step may take: `bitmask`
+    (numpy int32, [rows, ceil(vocab / 32)]) has bit t % 32 of word t // 32 set where token t
+    is allowed. A request's rows are consecutive from `first_row[req_id]`: one for its next
+    token, then one after each draft it verifies."""
+
+    first_row: dict[str, int]
+    bitmask: Any
+
+
+@dataclass
 class SchedulerOutput:
     """What one step runs: which requests, how many tokens each, and what changed."""
 
@@ -74,3 +85,4 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
     kv_connector_metadata: Any = None
+    grammar_bitmask: GrammarBitmask | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
@@ -13,8 +14,16 @@ from tokenflow.scheduler.queue import create_request_queue
 from tokenflow.scheduler.remote_kv import RemoteKV
 from tokenflow.scheduler.request import WAITING_FOR_SOMETHING, Request, RequestStatus
 from tokenflow.scheduler.runner_output import ModelRunnerOutput
-from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenflow.scheduler.sched_output import (
+    CachedRequestData,
+    GrammarBitmask,
+    NewRequestData,
+    SchedulerOutput,
+)
 from tokenflow.scheduler.stop import check_stop
+
+if TYPE_CHECKING:  # the manager uses xgrammar (and torch); the scheduler only calls it
+    from tokenflow.replica.structured_output import StructuredOutputManager
 
 
 class _Admission(enum.Enum):
@@ -43,6 +52,9 @@ class Scheduler:
     Workers never see `Request` objects: each step they get a `SchedulerOutput` of deltas.
     `max_model_len` is the engine's one context limit (resolved by the executor, never
     recomputed here); the engine validates prompts against it before they arrive.
+    `structured_outputs` (the engine's grammar manager) is needed for requests with a
+    constraint on their output; they wait for their grammar in
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR without holding up the queue.
     """
 
     def __init__(
@@ -53,6 +65,7 @@ class Scheduler:
         max_model_len: int,
         kv_transfer: KVTransferConfig | None = None,
         num_stages: int = 1,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -65,6 +78,8 @@ class Scheduler:
             kv_transfer, block_size=self.block_size, num_stages=num_stages,
             get_block_ids=self.kv.get_block_ids)
         self.remote = RemoteKV(connector, self.kv) if connector is not None else None
+        self.structured = structured_outputs
+        self._grammar_req_ids: set[str] = set()  # live requests with a grammar
         self.policy = scheduler_config.policy
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -88,11 +103,25 @@ class Scheduler:
         if request.eos_token_id is not None and not params.ignore_eos:
             stops.add(request.eos_token_id)
         request.stop_token_set = frozenset(stops)
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("this engine has no structured output support")
+            request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            self.structured.submit(request)  # compiles in the background
+            self._grammar_req_ids.add(request.request_id)
         if self.kv.enable_caching:
             # Hash the prompt's full blocks once, on arrival, not inside a scheduling step.
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _fail_waiting(self, request: Request, reason: str) -> None:
+        """End a waiting request that can never run (its grammar did not compile)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = reason
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason="error", error=reason))
+        self._free(request)
 
     def _ignore(self, request: Request, reason: str) -> None:
         # Unreachable through the engine, which rejects such prompts first: a guard for
@@ -129,6 +158,8 @@ class Scheduler:
             self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.grammar is not None:
+            self._grammar_req_ids.discard(request.request_id)
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Attach drafted tokens to decoding requests; they are verified next step."""
@@ -137,6 +168,8 @@ class Scheduler:
             # Only a decoding request (all but its newest token computed) can verify drafts.
             if (request is not None and request.status == RequestStatus.RUNNING
                     and request.num_computed_tokens == request.num_tokens - 1):
+                if request.grammar is not None:  # only drafts its grammar allows
+                    drafts = self.structured.valid_drafts(request, drafts)
                 request.spec_token_ids = list(drafts)
 
     def has_unfinished_requests(self) -> bool:
@@ -186,7 +219,20 @@ class Scheduler:
         self.finished_req_ids = set()
         if self.remote is not None:
             out.kv_connector_metadata = self.remote.build_meta(out)
+        if self._grammar_req_ids:
+            out.grammar_bitmask = self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
+        """Allowed tokens for every structured request that samples this step (its chunk
+        reaches its last token), with the drafts it verifies."""
+        rows = []
+        for req_id in self._grammar_req_ids:
+            if req_id in out.num_scheduled_tokens:
+                request = self.requests[req_id]
+                if request.num_computed_tokens >= request.num_tokens:
+                    rows.append((request, out.scheduled_spec_decode_tokens.get(req_id, [])))
+        return self.structured.bitmask(rows) if rows else None
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # The hot loop of the engine: locals and inlined arithmetic on purpose.
@@ -283,6 +329,13 @@ class Scheduler:
         blocked = False
         while self.waiting and plan.budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+                try:
+                    if self.structured.ready(request):
+                        request.status = RequestStatus.WAITING
+                except Exception as exc:  # noqa: BLE001 - whatever compilation raised
+                    self._fail_waiting(self.waiting.pop(), str(exc))
+                    continue
             if request.status in WAITING_FOR_SOMETHING or (
                     blocked and not self.kv.num_blocks_held(request.request_id)):
                 skipped.append(self.waiting.pop())  # keeps its place: put back below
@@ -389,6 +442,8 @@ class Scheduler:
             out = EngineCoreOutput(req_id, sampled,
                                    logprobs.get(req_id) if logprobs else None, plp,
                                    None, None, request.num_cached_tokens)
+            grammar_done = (request.grammar is not None and bool(sampled)
+                            and self.structured.accept(request, sampled))
             # Cheap pre-check; the full check (min_tokens, trimming) only when it may stop.
             if sampled and (len(sampled) > 1 or sampled[0] in request.stop_token_set
                             or len(request.output_token_ids) >= request.max_output_tokens):
@@ -396,6 +451,12 @@ class Scheduler:
                 if num_keep is not None:
                     self._finish_stopped(request, out, len(sampled) - num_keep)
                     any_stopped = True
+            if grammar_done and request.status == running_status:
+                # Complete under its grammar, with nothing that may follow (ignore_eos, or
+                # a grammar that ends without a stop token): a normal stop.
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._finish_stopped(request, out, 0)
+                any_stopped = True
             outputs.append(out)
         if any_stopped:
             self.running = [r for r in self.running if r.status == running_status]
