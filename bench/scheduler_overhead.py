@@ -167,20 +167,26 @@ def _cli_flags(args: argparse.Namespace) -> list[str]:
 
 def compare(args: argparse.Namespace, trace: list[dict]) -> dict:
     """This checkout's scheduler and the one in `args.against`, on the same trace, in
-    alternating rounds (so drift of a noisy machine hits both alike)."""
+    alternating rounds (so drift of a noisy machine hits both alike). Both sides run as fresh
+    subprocesses the same way: a side run in this process would carry its heap (the trace,
+    the imports) into the timing."""
+    here = Path(__file__).resolve().parent.parent
     other = Path(args.against).resolve()
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for t in trace:
             f.write(json.dumps(t) + "\n")
-    cmd = [sys.executable, str(other / "bench" / "scheduler_overhead.py"), "--trace", f.name,
-           "--quiet", *_cli_flags(args)]
-    env = {**os.environ, "PYTHONPATH": str(other)}
+
+    def median_us(checkout: Path) -> float:
+        cmd = [sys.executable, str(checkout / "bench" / "scheduler_overhead.py"), "--trace",
+               f.name, "--quiet", *_cli_flags(args)]
+        done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(checkout)},
+                              capture_output=True, text=True, check=True, cwd=checkout)
+        return json.loads(done.stdout.strip().splitlines()[-1])["median_us_at_max_num_seqs"]
+
     ours, theirs = [], []
     for _ in range(args.rounds):
-        ours.append(run(args, trace)["median_us_at_max_num_seqs"])
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
-                              cwd=other)
-        theirs.append(json.loads(done.stdout.strip().splitlines()[-1])["median_us_at_max_num_seqs"])
+        ours.append(median_us(here))
+        theirs.append(median_us(other))
     os.unlink(f.name)
     return {"against": str(other), "rounds": args.rounds,
             "median_us_at_max_num_seqs": statistics.median(ours),

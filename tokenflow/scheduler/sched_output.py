@@ -5,6 +5,7 @@ Everything here pickles small: workers in other processes receive a SchedulerOut
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,14 @@ class CachedRequestData:
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)
         self.num_computed_tokens.append(num_computed_tokens)
+
+    def column_appenders(self) -> tuple[Callable[[Any], None], ...]:
+        """The five columns' `append`s, in `append`'s argument order: the scheduler's hot
+        loop calls them directly, since one Python call per running request a step costs
+        ~5% of the step."""
+        return (self.req_ids.append, self.resumed_from_preemption.append,
+                self.new_token_ids.append, self.new_block_ids.append,
+                self.num_computed_tokens.append)
 
     def remove(self, req_id: str) -> None:
         i = self.req_ids.index(req_id)

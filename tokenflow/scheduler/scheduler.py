@@ -237,7 +237,7 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         # The hot loop of the engine: locals and inlined arithmetic on purpose.
         allocate = self.kv.allocate_slots
-        append_cached = plan.cached.append
+        add_id, add_resumed, add_tokens, add_blocks, add_computed = plan.cached.column_appenders()
         num_scheduled = plan.num_scheduled
         threshold = self.config.long_prefill_token_threshold
         max_position = self.max_model_len - 1
@@ -277,8 +277,11 @@ class Scheduler:
             if request.num_unsent_tokens:  # accepted drafts the workers never saw as outputs
                 start -= request.num_unsent_tokens
                 request.num_unsent_tokens = 0
-            append_cached(req_id, False, all_tokens[start if start > num_prompt else num_prompt:],
-                          [b.block_id for b in new_blocks] if new_blocks else [], num_computed)
+            add_id(req_id)
+            add_resumed(False)
+            add_tokens(all_tokens[start if start > num_prompt else num_prompt:])
+            add_blocks([b.block_id for b in new_blocks] if new_blocks else [])
+            add_computed(num_computed)
             request.num_computed_tokens = num_computed + num_new
             if request.spec_token_ids and num_computed + num_new > num_tokens:
                 plan.spec[req_id] = request.spec_token_ids[:num_computed + num_new - num_tokens]
