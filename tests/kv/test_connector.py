@@ -1,21 +1,41 @@
 """The KV-transfer connector's halves on their own, without engines or Ray: a producer frees
-published blocks only once every consumer stage that reads them is done."""
+published blocks only once every consumer stage that reads them is done, and a user's connector,
+written to the base classes and named `module:Class`, is loaded and driven as tokenflow's are."""
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
+from tests.checkpoints import write_checkpoint
+from tests.replica.test_engine import with_tokenizer
+from tokenflow.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from tokenflow.kv.connector import (
     ConnectorMeta,
     KVConnectorOutput,
+    KVConnectorScheduler,
+    KVConnectorWorker,
     LoadSpec,
     SaveSpec,
+    create_scheduler_connector,
+    create_worker_connector,
 )
+from tokenflow.kv.connector.scheduler_side import TransferScheduler
 from tokenflow.kv.connector.torch_p2p import TorchP2PTransport
 from tokenflow.kv.connector.worker_side import TransferWorker
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import SamplingParams
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 4, 2, 8, 8
 
@@ -103,3 +123,96 @@ def test_released_blocks_are_no_longer_tracked() -> None:
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+# ------------------------------------------------------------------ a user's connector
+class RecordingWorker(KVConnectorWorker):
+    """A user's worker half written to the base class: moves nothing, records every wait the
+    worker passed to `get_finished`."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.layer_range = (0, 0)
+
+    def register_kv_caches(self, kv_caches: list[Any], layer_range: tuple[int, int]) -> None:
+        self.layer_range = layer_range
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        return None
+
+    def save_kv_layer(self, layer: int, meta: ConnectorMeta) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+        self.waits.append(wait_s)
+        return KVConnectorOutput()
+
+
+WORKERS: list[RecordingWorker] = []  # every worker half built, for the tests to look at
+
+
+class UserConnector:
+    """A connector as a user names it (`module:Class`): tokenflow's scheduler half, which
+    finds nothing remote for plain requests, and the recording worker half."""
+
+    def scheduler(self, config: KVTransferConfig, *, block_size: int, num_stages: int,
+                  get_block_ids: Callable[[str], list[int]]) -> KVConnectorScheduler:
+        return TransferScheduler(name="user", engine_id="user", block_size=block_size,
+                                 num_stages=num_stages, lease_s=config.lease_s,
+                                 holds_blocks=False, get_block_ids=get_block_ids)
+
+    def worker(self, config: KVTransferConfig, backend: str) -> KVConnectorWorker:
+        WORKERS.append(RecordingWorker())
+        return WORKERS[-1]
+
+
+USER_CONNECTOR = f"{__name__}:UserConnector"
+
+
+def test_get_finished_takes_the_wait_the_worker_passes() -> None:
+    """worker.py calls `get_finished(wait)`: the base class declares that argument, so a
+    connector written to it accepts the call."""
+    signature = inspect.signature(KVConnectorWorker.get_finished)
+    signature.bind(RecordingWorker(), 0.01)  # as the worker calls it
+    signature.bind(RecordingWorker())  # and without a wait
+    assert signature.parameters["wait_s"].default == 0.0
+
+
+def test_a_user_connector_named_module_and_class_is_loaded() -> None:
+    config = KVTransferConfig(connector=USER_CONNECTOR)
+    scheduler = create_scheduler_connector(config, block_size=16, num_stages=1,
+                                           get_block_ids=lambda req_id: [])
+    assert isinstance(scheduler, TransferScheduler) and scheduler.name == "user"
+    worker = create_worker_connector(config, "gloo")
+    assert worker is WORKERS[-1]
+    with pytest.raises(ValueError, match="module:Class"):
+        create_worker_connector(KVTransferConfig(connector="no_such_connector"), "gloo")
+
+
+def test_an_engine_drives_a_user_connector(tmp_path) -> None:
+    """An engine runs with the user's connector as with none, calling its worker half every
+    step, with the waits worker.py passes."""
+    path = with_tokenizer(write_checkpoint(tmp_path, "llama", num_hidden_layers=2))
+
+    def run(connector: str | None) -> list[int]:
+        llm = LLM(config=EngineConfig(
+            model=ModelConfig(model=str(path), num_threads=1),
+            cache=CacheConfig(block_size=16, num_blocks=32),
+            scheduler=SchedulerConfig(max_model_len=128),
+            kv_transfer=KVTransferConfig(connector=connector)))
+        try:
+            [out] = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True,
+                                                                   temperature=0.0),
+                                 use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return out.outputs[0].token_ids
+
+    built = len(WORKERS)
+    assert run(USER_CONNECTOR) == run(None)
+    assert len(WORKERS) == built + 1
+    waits = WORKERS[-1].waits
+    assert len(waits) >= 4 and all(isinstance(w, float) for w in waits)

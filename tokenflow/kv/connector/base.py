@@ -168,8 +168,14 @@ class KVConnectorWorker(ABC):
         """Finish this step's publishes (after the forward, before the step returns)."""
 
     @abstractmethod
-    def get_finished(self) -> KVConnectorOutput:
-        """Transfers that ended since the last call, and this step's publishes."""
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+        """Transfers that ended since the last call, and this step's publishes.
+
+        `wait_s`: how long the call may block for a transfer to end when none has yet. The
+        worker passes 0 in a step that computed something (return at once), and a little in a
+        step that only polls transfers, so that an engine waiting on loads does not spin. An
+        implementation may return as soon as it has something, or ignore it and never wait.
+        """
 
     def shutdown(self) -> None:
         """Stop background work (threads, servers)."""
