@@ -231,6 +231,7 @@ def test_pipeline_presets_reserve_one_bundle_per_stage(name: str) -> None:
 
     from tokenflow.cluster.app import server_options
     from tokenflow.cluster.server import LLMServer
+    from tokenflow.replica.stage_bundles import cluster_gpus, stages_use_gpu
 
     config = load_app_config(CONFIGS / name)
     options = server_options(config)
@@ -240,7 +241,7 @@ def test_pipeline_presets_reserve_one_bundle_per_stage(name: str) -> None:
     replica_cpus = config.deployment.ray_actor_options.get("num_cpus", 0)
     assert bundles[0]["CPU"] == parallel.stage_num_cpus + replica_cpus
     assert bundles[1]["CPU"] == parallel.stage_num_cpus
-    assert ("GPU" in bundles[0]) == (config.engine.model.device == "cuda")
+    assert ("GPU" in bundles[0]) == stages_use_gpu(config.engine.model.device, cluster_gpus())
     assert options["placement_group_strategy"] == parallel.placement_strategy
     serve.deployment(LLMServer, name="LLMServer", **options)  # Serve accepts the options
 

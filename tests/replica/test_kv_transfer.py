@@ -6,10 +6,12 @@ leaks a block."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,18 +91,43 @@ def colocated(checkpoint):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_pp: int = 1
-                   ) -> None:
+@contextlib.contextmanager
+def stepping(llm: LLM) -> Iterator[None]:
+    """Keep `llm` stepping in the background, as a served engine does, so that it frees what
+    its consumer is done with while the consumer still loads (`LLM.generate` steps only its
+    own engine)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if llm.engine.has_unfinished_requests():
+                llm.engine.step()
+            else:
+                time.sleep(0.005)
+
+    thread = threading.Thread(target=loop, name="producer-loop", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_pp: int = 1,
+                   consumer_pp: int = 1, serve_producer: bool = False) -> None:
     producer = engine(checkpoint, connector, budget=budget, pp=producer_pp, role="producer")
-    consumer = engine(checkpoint, connector, budget=budget, role="consumer")
+    consumer = engine(checkpoint, connector, budget=budget, pp=consumer_pp, role="consumer")
     try:
         prompts = make_prompts()
         warm = [prompts[-1][:40] + [99]]  # the shared prefix, cached on both sides
         producer.generate(warm, SamplingParams(max_tokens=1), use_tqdm=False)
         consumer.generate(warm, SamplingParams(max_tokens=1), use_tqdm=False)
         params = params_for(prompts)
-        outs = consumer.generate(prompts, params, use_tqdm=False,
-                                 kv_transfer_params=prefill(producer, prompts, params))
+        transfers = prefill(producer, prompts, params)
+        with stepping(producer) if serve_producer else contextlib.nullcontext():
+            outs = consumer.generate(prompts, params, use_tqdm=False,
+                                     kv_transfer_params=transfers)
         assert [o.outputs[0].token_ids for o in outs] == colocated
         totals = consumer.engine.totals
         assert totals.kv_transfer_bytes > 0 and totals.kv_transfer_failures == 0
@@ -127,6 +154,16 @@ def test_pd_with_a_two_stage_producer_is_token_exact(cluster: Cluster, checkpoin
                                                      colocated) -> None:
     # Each producer stage publishes its own layers; the one-stage consumer loads from both.
     _disaggregated(checkpoint, colocated, "torch_p2p", 4096, producer_pp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("connector", ["torch_p2p", "ray_object_store"])
+def test_pd_with_a_two_stage_consumer_is_token_exact(cluster: Cluster, checkpoint, colocated,
+                                                     connector) -> None:
+    # Both consumer stages read the one producer stage: the producer, stepping meanwhile as a
+    # served one does, must keep the blocks until both are done, or the later stage's load
+    # fails its checksum and the prompt is recomputed.
+    _disaggregated(checkpoint, colocated, connector, 4096, consumer_pp=2, serve_producer=True)
 
 
 # -------------------------------------------------------------------------- failures

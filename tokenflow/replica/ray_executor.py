@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenflow.config import EngineConfig, resolve_max_model_len
 from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.stage_bundles import stage_bundles
+from tokenflow.replica.stage_bundles import cluster_gpus, stage_bundles, stages_use_gpu
 from tokenflow.replica.worker import Worker
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
@@ -62,11 +62,6 @@ class StageWorker(Worker):
     @ray.method(concurrency_group="control")
     def take_timings(self) -> dict[str, float]:
         return super().take_timings()
-
-
-def wants_gpu(config: EngineConfig) -> bool:
-    device = config.model.device
-    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 class StepFuture:
@@ -112,7 +107,8 @@ class RayExecutor:
         self._failure: str | None = None
         self._pings: list[ray.ObjectRef] = []
         self._graph: Any = None
-        use_gpu = wants_gpu(config)
+        # The rule the Serve options reserved the replica's bundles by.
+        use_gpu = stages_use_gpu(config.model.device, cluster_gpus())
         bundles = stage_bundles(config, use_gpu)
         self._pg, self._owns_pg = self._placement_group(bundles, config)
         actor_cls = ray.remote(concurrency_groups={"control": 1})(StageWorker)

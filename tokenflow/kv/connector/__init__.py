@@ -1,7 +1,9 @@
 """KV transfer between engines: the connector API (`base`), the scheduler and worker halves
 tokenflow's connectors share, and their transports (torch.distributed point-to-point, the Ray
 object store). A connector is chosen by name in `KVTransferConfig.connector`: a registered name,
-or `module:Class` for a user's (a class with `scheduler(...)` and `worker(...)` factories)."""
+or `module:Class` for a user's: a class built without arguments whose `scheduler(config, *,
+block_size, num_stages, get_block_ids)` and `worker(config, backend)` return its halves, a
+`KVConnectorScheduler` and a `KVConnectorWorker` (see `base`)."""
 
 from __future__ import annotations
 

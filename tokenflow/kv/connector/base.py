@@ -65,6 +65,8 @@ class KVConnectorOutput:
     """What one worker (one stage) reports after a step: transfers that ended, and what it
     published. The scheduler half merges the reports of every stage."""
 
+    # Published requests whose every layer on this stage its consumers finished reading (all
+    # the consumer's stages that read them, not just one); each stage reports a request once.
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)  # req_id -> why
@@ -122,8 +124,8 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def take_releasable(self, now: float) -> list[str]:
-        """Finished requests whose blocks may now be freed: read by their consumer, or past
-        their lease."""
+        """Finished requests whose blocks may now be freed: read in full by their consumer (by
+        every consumer stage that reads them), or past their lease."""
 
     @abstractmethod
     def cancel_load(self, req_id: str) -> bool:
@@ -166,8 +168,14 @@ class KVConnectorWorker(ABC):
         """Finish this step's publishes (after the forward, before the step returns)."""
 
     @abstractmethod
-    def get_finished(self) -> KVConnectorOutput:
-        """Transfers that ended since the last call, and this step's publishes."""
+    def get_finished(self, wait_s: float = 0.0) -> KVConnectorOutput:
+        """Transfers that ended since the last call, and this step's publishes.
+
+        `wait_s`: how long the call may block for a transfer to end when none has yet. The
+        worker passes 0 in a step that computed something (return at once), and a little in a
+        step that only polls transfers, so that an engine waiting on loads does not spin. An
+        implementation may return as soon as it has something, or ignore it and never wait.
+        """
 
     def shutdown(self) -> None:
         """Stop background work (threads, servers)."""

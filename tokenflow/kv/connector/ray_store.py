@@ -39,8 +39,8 @@ class RayObjectTransport:
         return {"transport": "ray_object_store",
                 "ref": base64.b64encode(cloudpickle.dumps(ref)).decode()}
 
-    def fetch(self, descriptor: dict[str, Any], indices: list[int],
-              timeout_s: float) -> torch.Tensor:
+    def fetch(self, descriptor: dict[str, Any], indices: list[int], timeout_s: float,
+              layers: tuple[int, int] | None = None) -> torch.Tensor:
         ref = cloudpickle.loads(base64.b64decode(descriptor["ref"]))
         blocks = ray.get(ref, timeout=timeout_s)
         return blocks[indices]
@@ -51,8 +51,9 @@ class RayObjectTransport:
         if ref is not None:
             _unpin(ref)
 
-    def take_finished_sending(self) -> set[str]:
-        return set()  # the consumer reads the copy; nothing to report
+    def take_finished_reads(self) -> list[tuple[str, tuple[int, int]]]:
+        # The consumer reads the copy and tells nobody: the copy lives out its lease.
+        return []
 
     def close(self) -> None:
         for req_id in list(self._refs):

@@ -6,7 +6,9 @@ It tracks three kinds of request:
 - saves (producer): a request with `do_remote_decode`, published by every stage in the step its
   prefill completes, so `request_finished` can return where its blocks are;
 - holds (producer, when the transport reads the producer's blocks in place): blocks kept after
-  the request finished, until every stage's consumer said it is done, or the lease expired.
+  the request finished, until every stage reported it finished sending (its consumers read all
+  the layers it published: with a consumer of more stages, every consumer stage that reads
+  them), or the lease expired.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _Load:
 @dataclass
 class _Hold:
     deadline: float
-    done: int = 0
+    done: int = 0  # stages that reported the request finished sending (each reports it once)
 
 
 class TransferScheduler(KVConnectorScheduler):
@@ -123,7 +125,7 @@ class TransferScheduler(KVConnectorScheduler):
                 self._stage_loaded(req_id, None)
             for req_id, reason in out.failed_recving.items():
                 self._stage_loaded(req_id, reason)
-            for req_id in out.finished_sending:
+            for req_id in out.finished_sending:  # this stage's layers were all read
                 hold = self._holds.get(req_id)
                 if hold is not None:
                     hold.done += 1

@@ -6,7 +6,9 @@ The producer's worker runs a small control server (a TCP socket, one thread per 
 both sides build a two-rank process group through that store (the rendezvous); the group is
 reused for every later pull between the pair. A pull names the request and its block indices;
 the producer gathers those blocks from its cache at that moment and sends them; the consumer
-then says done, which lets the producer free the blocks before their lease runs out.
+then says done, naming the layers it keeps (a consumer stage keeps only its own), which lets
+the producer free the blocks, once every layer it published was read, before their lease runs
+out.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class TorchP2PTransport:
         self.store = dist.TCPStore(self.ip, 0, is_master=True, wait_for_workers=False,
                                    timeout=self.timeout)
         self.kv_caches: list[torch.Tensor] = []
+        self.layer_range = (0, 0)
         self._published: dict[str, list[int]] = {}  # req_id -> its block ids, served in place
         self._lock = threading.Lock()
-        self._finished_sending: set[str] = set()
+        self._finished_reads: list[tuple[str, tuple[int, int]]] = []
         self._server = socket.create_server((self.ip, 0))
         self._closed = False
         self._peers: dict[tuple[str, int], tuple[socket.socket, Any, threading.Lock]] = {}
@@ -86,6 +89,7 @@ class TorchP2PTransport:
     def register_kv_caches(self, kv_caches: list[torch.Tensor],
                            layer_range: tuple[int, int]) -> None:
         self.kv_caches = kv_caches
+        self.layer_range = layer_range
 
     # ---------------------------------------------------------------------- producer
     def publish(self, req_id: str, block_ids: list[int], blocks: torch.Tensor
@@ -100,10 +104,10 @@ class TorchP2PTransport:
         with self._lock:
             self._published.pop(req_id, None)
 
-    def take_finished_sending(self) -> set[str]:
+    def take_finished_reads(self) -> list[tuple[str, tuple[int, int]]]:
         with self._lock:
-            done, self._finished_sending = self._finished_sending, set()
-        return done
+            reads, self._finished_reads = self._finished_reads, []
+        return reads
 
     def _serve(self) -> None:
         while not self._closed:
@@ -127,10 +131,15 @@ class TorchP2PTransport:
                     elif message["op"] == "pull":
                         self._send_blocks(group, message)
                     elif message["op"] == "done":
-                        with self._lock:
-                            self._finished_sending.add(message["req_id"])
+                        self._record_read(message)
             except (ConnectionError, OSError, RuntimeError) as exc:
                 logger.debug("KV peer connection ended: %r", exc)
+
+    def _record_read(self, message: dict[str, Any]) -> None:
+        # A done without layers (a peer that does not name them) read everything published.
+        first, last = message.get("layers") or self.layer_range
+        with self._lock:
+            self._finished_reads.append((message["req_id"], (int(first), int(last))))
 
     def _send_blocks(self, group: Any, message: dict[str, Any]) -> None:
         with self._lock:
@@ -146,9 +155,10 @@ class TorchP2PTransport:
         return torch.stack(per_layer).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     # ---------------------------------------------------------------------- consumer
-    def fetch(self, descriptor: dict[str, Any], indices: list[int],
-              timeout_s: float) -> torch.Tensor:
+    def fetch(self, descriptor: dict[str, Any], indices: list[int], timeout_s: float,
+              layers: tuple[int, int] | None = None) -> torch.Tensor:
         key = (descriptor["host"], descriptor["control_port"])
+        kept = list(layers or descriptor["layers"])
         sock, group, lock = self._peer(key, descriptor["store_port"], timeout_s)
         shape = (len(indices), *descriptor["block_shape"])
         device = self.kv_caches[0].device if self.kv_caches else torch.device("cpu")
@@ -160,7 +170,7 @@ class TorchP2PTransport:
                 _send_msg(sock, {"op": "pull", "req_id": descriptor["req_id"],
                                  "indices": indices, "tag": tag})
                 group.recv([buffer], 0, tag).wait()
-                _send_msg(sock, {"op": "done", "req_id": descriptor["req_id"]})
+                _send_msg(sock, {"op": "done", "req_id": descriptor["req_id"], "layers": kept})
         except Exception:
             self._forget_peer(key)  # the producer died or the link broke: start over next time
             raise

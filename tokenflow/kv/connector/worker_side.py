@@ -4,7 +4,10 @@ Publishing (producer): when a request's prefill completes, the worker gathers it
 this stage's layers into `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`, checksums
 each block, and hands them to the transport, which either keeps serving them from the cache in
 place (torch point-to-point) or copies them out (Ray object store). The descriptor it returns
-travels to the consumer in the request's `kv_transfer_params`.
+travels to the consumer in the request's `kv_transfer_params`. A transport that hears back
+from consumers reports each finished read with the layers that consumer stage keeps; the worker
+reports the request finished sending once every layer it published was read, so a consumer
+whose layers span several stages has all of them read before the producer frees the blocks.
 
 Loading (consumer): in a background thread, for every producer stage whose layers overlap this
 stage's, the worker fetches the blocks it lacks, verifies each block's checksum (a producer
@@ -49,13 +52,17 @@ class Transport(Protocol):
     def publish(self, req_id: str, block_ids: list[int], blocks: torch.Tensor
                 ) -> dict[str, Any]: ...
 
-    def fetch(self, descriptor: dict[str, Any], indices: list[int],
-              timeout_s: float) -> torch.Tensor:
-        """Blocks `indices` of a published request, `[len(indices), layers, 2, ...]`."""
+    def fetch(self, descriptor: dict[str, Any], indices: list[int], timeout_s: float,
+              layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Blocks `indices` of a published request, `[len(indices), layers, 2, ...]`, of which
+        the caller keeps `layers` [start, end) (None: all the descriptor's)."""
 
     def release(self, req_id: str) -> None: ...
 
-    def take_finished_sending(self) -> set[str]: ...
+    def take_finished_reads(self) -> list[tuple[str, tuple[int, int]]]:
+        """Reads of this worker's published blocks that consumers finished since the last
+        call: (request, the layers [start, end) that consumer kept). Empty for a transport
+        that never hears back (its copies live out their lease)."""
 
     def close(self) -> None: ...
 
@@ -74,6 +81,8 @@ class TransferWorker(KVConnectorWorker):
         self._event = threading.Event()
         self._out = KVConnectorOutput()
         self._saves: list[SaveSpec] = []
+        # Published requests -> this stage's layers no consumer has read yet.
+        self._unread: dict[str, set[int]] = {}
 
     def register_kv_caches(self, kv_caches: list[Any], layer_range: tuple[int, int]) -> None:
         self.kv_caches = kv_caches
@@ -103,6 +112,7 @@ class TransferWorker(KVConnectorWorker):
                               checksums=block_checksums(blocks),
                               block_shape=list(blocks.shape[1:]),
                               dtype=str(blocks.dtype).removeprefix("torch."))
+            self._unread[spec.req_id] = set(range(*self.layer_range))
             with self._lock:
                 self._out.published[spec.req_id] = descriptor
 
@@ -110,6 +120,7 @@ class TransferWorker(KVConnectorWorker):
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for req_id in meta.releases:
             self.transport.release(req_id)
+            self._unread.pop(req_id, None)
         for spec in meta.loads:
             self._pool.submit(self._load, spec)
 
@@ -139,13 +150,14 @@ class TransferWorker(KVConnectorWorker):
             lo, hi = stage["layers"]
             if hi <= start or lo >= end:
                 continue
-            blocks = self.transport.fetch(stage, indices, self.load_timeout_s)
+            kept = (max(lo, start), min(hi, end))
+            blocks = self.transport.fetch(stage, indices, self.load_timeout_s, kept)
             expected = [stage["checksums"][i] for i in indices]
             if block_checksums(blocks) != expected:
                 raise ValueError("checksum mismatch: the producer's blocks changed (lease "
                                  "expired?) or the transfer corrupted them")
             received += blocks.numel() * blocks.element_size()
-            self._copy_in(blocks, spec.block_ids, lo, max(lo, start), min(hi, end))
+            self._copy_in(blocks, spec.block_ids, lo, *kept)
         return received
 
     def _copy_in(self, blocks: torch.Tensor, block_ids: list[int], remote_start: int,
@@ -170,11 +182,26 @@ class TransferWorker(KVConnectorWorker):
         if wait_s > 0 and self._out.is_empty():
             self._event.wait(wait_s)
         self._event.clear()
-        sending = self.transport.take_finished_sending()
+        sending = self._fully_read(self.transport.take_finished_reads())
         with self._lock:
             out, self._out = self._out, KVConnectorOutput()
         out.finished_sending |= sending
         return out
+
+    def _fully_read(self, reads: list[tuple[str, tuple[int, int]]]) -> set[str]:
+        """Requests whose every published layer of this stage has now been read. One consumer
+        stage's done covers only its layers: the producer must not free the blocks while
+        another consumer stage has yet to read its own."""
+        done = set()
+        for req_id, (first, last) in reads:
+            unread = self._unread.get(req_id)
+            if unread is None:  # released already (its lease expired), or reported
+                continue
+            unread.difference_update(range(first, last))
+            if not unread:
+                del self._unread[req_id]
+                done.add(req_id)
+        return done
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
