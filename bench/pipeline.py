@@ -1,12 +1,13 @@
 """Pipeline parallelism on the offline throughput trace: PP=1 and PP=N side by side, in one run,
-with the same total threads (PP=1: N torch threads in one process; PP=N: one thread per stage).
+with the same total threads (PP=1: N torch threads in one process; PP=N: one thread per stage),
+PP=N once for each way the engine sends steps to the stages (plain actor calls, a Ray Compiled
+Graph).
 
 Reports throughput, per stage the time per step spent waiting for the previous stage (recv),
 running its layers (compute) and handing them on (send), the pipeline bubble (the share of
-wall time a stage does not compute), the driver's scheduling time per step, and the control
-round trip of an empty step, both through the Compiled Graph the executor uses and through
-plain actor calls (the alternative it was measured against). Called by
-`bench/throughput.py --pp N`.
+wall time a stage does not compute), the driver's scheduling time per step, the control round
+trip of an empty step, and the CPU seconds the driver process spent (a compiled graph's reads
+spin, so its driver burns a core while it waits). Called by `bench/throughput.py --pp N`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from tokenflow.replica.llm import LLM
 from tokenflow.scheduler import CachedRequestData, SamplingParams, SchedulerOutput
@@ -59,11 +62,12 @@ def _stage_report(timings: list[dict[str, float]], wall_s: float) -> list[dict[s
     return report
 
 
-def _run(model_dir: Path, trace: list, args: Any, pp: int, threads: int) -> dict[str, Any]:
+def _run(model_dir: Path, trace: list, args: Any, pp: int, threads: int,
+         control: str = "auto") -> dict[str, Any]:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
               kv_cache_memory_bytes=args.kv_bytes, pipeline_parallel_size=pp,
-              num_threads=threads, stage_num_cpus=1)
+              num_threads=threads, stage_num_cpus=1, pipeline_control=control)
     executor = llm.engine.core.executor
     timings = executor.take_timings if pp > 1 else executor.worker.take_timings
     try:
@@ -71,12 +75,14 @@ def _run(model_dir: Path, trace: list, args: Any, pp: int, threads: int) -> dict
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
                   for _, n in trace]
         timings()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         outputs = llm.generate([p for p, _ in trace], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        driver_cpu_s = time.process_time() - cpu0
         stages = timings()
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result = {"pp": pp, "threads_per_stage": threads, "seconds": elapsed,
+        result = {"pp": pp, "threads_per_stage": threads, "control": control,
+                  "seconds": elapsed, "driver_cpu_s": driver_cpu_s,
                   "tok_per_s": num_out / elapsed,
                   "stages": _stage_report(stages if pp > 1 else [stages], elapsed),
                   "scheduling_ms_per_step": 1000 * timer.seconds / max(1, timer.steps),
@@ -117,32 +123,47 @@ def _actor_call_probe(num_stages: int) -> float:
 
 
 def compare(model_dir: Path, trace: list, args: Any) -> dict[str, Any]:
-    """PP=1 with `args.pp` threads against PP=`args.pp` with one thread per stage."""
+    """PP=1 with `args.pp` threads against PP=`args.pp` with one thread per stage, the stages
+    driven by plain actor calls and by a compiled graph."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     ray.init(address="local", num_cpus=args.pp + 1, include_dashboard=False,
              log_to_driver=False)
+    runs = [("pp1", 1, args.pp, "auto"), ("actor_calls", args.pp, 1, "actor_calls"),
+            ("compiled_graph", args.pp, 1, "compiled_graph")]
+    result: dict[str, Any] = {}
     try:
-        single = _run(model_dir, trace, args, pp=1, threads=args.pp)
-        split = _run(model_dir, trace, args, pp=args.pp, threads=1)
-        actor_calls_ms = _actor_call_probe(args.pp)
+        for label, pp, threads, control in tqdm(runs, desc="runs", unit="run"):
+            result[label] = _run(model_dir, trace, args, pp, threads, control)
+        result["actor_calls_probe_ms"] = _actor_call_probe(args.pp)
     finally:
         ray.shutdown()
-    same = single.pop("tokens") == split.pop("tokens")
-    return {"pp1": single, f"pp{args.pp}": split, "ratio": split["tok_per_s"] / single["tok_per_s"],
-            "token_identical": same, "actor_calls_control_ms_per_step": actor_calls_ms}
+    tokens = [result[label].pop("tokens") for label, *_ in runs]
+    result["token_identical"] = all(t == tokens[0] for t in tokens)
+    for label in ("actor_calls", "compiled_graph"):
+        result[label]["ratio_vs_pp1"] = result[label]["tok_per_s"] / result["pp1"]["tok_per_s"]
+    return result
 
 
-def summary(result: dict[str, Any], pp: int) -> str:
-    single, split = result["pp1"], result[f"pp{pp}"]
+def _line(name: str, run: dict[str, Any]) -> str:
     stages = "; ".join(
         f"stage {s['stage']}: compute {s['compute_ms_per_step']:.1f} ms, recv "
         f"{s['recv_ms_per_step']:.1f} ms, send {s['send_ms_per_step']:.2f} ms, bubble "
-        f"{100 * s['bubble']:.0f}%" for s in split["stages"])
-    return (f"PP=1 x{pp} threads {single['tok_per_s']:.0f} tok/s ({single['seconds']:.1f} s); "
-            f"PP={pp} x1 thread {split['tok_per_s']:.0f} tok/s ({split['seconds']:.1f} s) -> "
-            f"{result['ratio']:.2f}x, token-identical: {result['token_identical']}; {stages}; "
-            f"scheduling {split['scheduling_ms_per_step']:.2f} ms/step; control "
-            f"{split['control_ms_per_step']:.2f} ms/step (compiled graph) vs "
-            f"{result['actor_calls_control_ms_per_step']:.2f} ms (actor calls)")
+        f"{100 * s['bubble']:.0f}%" for s in run["stages"])
+    line = (f"{name}: {run['tok_per_s']:.0f} tok/s ({run['seconds']:.1f} s, "
+            f"{run['engine_steps']} steps, driver CPU {run['driver_cpu_s']:.1f} s)")
+    if "ratio_vs_pp1" in run:
+        line += (f" -> {run['ratio_vs_pp1']:.2f}x PP=1; scheduling "
+                 f"{run['scheduling_ms_per_step']:.2f} ms/step; control "
+                 f"{run['control_ms_per_step']:.2f} ms/step; {stages}")
+    return line
+
+
+def summary(result: dict[str, Any], pp: int) -> str:
+    return "\n".join([
+        _line(f"PP=1 x{pp} threads", result["pp1"]),
+        _line(f"PP={pp} x1 thread, actor calls", result["actor_calls"]),
+        _line(f"PP={pp} x1 thread, compiled graph", result["compiled_graph"]),
+        f"token-identical: {result['token_identical']}; plain actor-call probe "
+        f"{result['actor_calls_probe_ms']:.2f} ms/step"])

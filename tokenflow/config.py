@@ -93,6 +93,12 @@ class ParallelConfig(_Frozen):
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     # A stage that has not answered a step for this long is taken for dead.
     step_timeout_s: float = Field(default=600.0, gt=0)
+    # How the engine sends each step to the stages. compiled_graph (a Ray Compiled Graph)
+    # answers in well under a millisecond, but its reads spin: the driver burns a whole core
+    # while it waits. actor_calls (plain Ray calls) cost a few ms a step and no idle CPU.
+    # auto: compiled_graph when the stages run on GPUs (a spare core is cheap there),
+    # actor_calls on CPUs, where the spinning core is one the stages need (bench/README.md).
+    pipeline_control: Literal["auto", "compiled_graph", "actor_calls"] = "auto"
 
     @model_validator(mode="after")
     def _stage_layers_match(self) -> ParallelConfig:

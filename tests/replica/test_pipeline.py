@@ -57,9 +57,12 @@ def _live_actors_and_groups() -> tuple[int, int]:
     return len(actors), len(groups)
 
 
-@pytest.mark.parametrize("scenario", ["plain", "chunked_prefill", "preemption"])
-def test_pp2_is_token_exact(cluster: Cluster, checkpoint, reference, scenario) -> None:
-    llm = LLM(str(checkpoint), **{**SCENARIOS[scenario], **PP2})
+@pytest.mark.parametrize("scenario,control", [
+    ("plain", "auto"), ("chunked_prefill", "auto"), ("preemption", "auto"),
+    # The other way to send steps (auto is actor calls on CPU): a Ray Compiled Graph.
+    ("plain", "compiled_graph"), ("preemption", "compiled_graph")])
+def test_pp2_is_token_exact(cluster: Cluster, checkpoint, reference, scenario, control) -> None:
+    llm = LLM(str(checkpoint), **{**SCENARIOS[scenario], **PP2}, pipeline_control=control)
     try:
         params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
         prompts = make_prompts()

@@ -42,3 +42,12 @@ def test_cuda_and_cpu_ignore_the_cluster() -> None:
 def test_the_executor_asks_the_same_rule() -> None:
     assert ray_executor.stages_use_gpu is stage_bundles.stages_use_gpu
     assert ray_executor.cluster_gpus is stage_bundles.cluster_gpus
+
+
+@pytest.mark.parametrize("control,use_gpu,want", [
+    ("auto", False, "actor_calls"), ("auto", True, "compiled_graph"),
+    ("compiled_graph", False, "compiled_graph"), ("actor_calls", True, "actor_calls")])
+def test_pipeline_control_auto_spins_only_where_a_core_is_cheap(
+        control: str, use_gpu: bool, want: str) -> None:
+    """A compiled graph's reads spin a driver core: auto uses it on GPUs only."""
+    assert ray_executor.resolve_pipeline_control(control, use_gpu) == want

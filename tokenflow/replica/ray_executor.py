@@ -1,12 +1,14 @@
 """RayExecutor: a replica's pipeline stages as Ray actors, one per stage, in a placement group.
 
-Each step, every stage actor receives the SchedulerOutput through a Ray Compiled Graph (one
-input, one `execute_model` node per stage, up to one execution in flight per stage): each
-stage runs the batches in the order the engine scheduled them, and the control round trip
-costs well under a millisecond, where plain actor calls cost several (bench/README.md).
-Activations travel between the stages over `torch.distributed` (see `pipeline.py`), never
-through Ray. The last stage's return value is the step's `ModelRunnerOutput`. Pings and
-timings use a separate concurrency group, so they are answered while the graph runs.
+Each step, every stage actor receives the SchedulerOutput (`parallel.pipeline_control`),
+either through a Ray Compiled Graph (one input, one `execute_model` node per stage, up to one
+execution in flight per stage; the control round trip costs well under a millisecond, but the
+driver spins while it waits for a result) or by plain actor calls (one `ray.put` and one call
+per stage: a few milliseconds, no spinning; bench/README.md). Either way each stage runs the
+batches in the order the engine scheduled them. Activations travel between the stages over
+`torch.distributed` (see `pipeline.py`), never through Ray. The last stage's return value is
+the step's `ModelRunnerOutput`. Pings and timings use a separate concurrency group, so they
+are answered while a step runs.
 
 Placement: one bundle per stage (`{"CPU": n}`, or `{"GPU": 1, "CPU": n}`). Inside a Serve
 replica that reserved them (`placement_group_bundles`), the stages go into that replica's
@@ -50,7 +52,7 @@ class StageDiedError(RuntimeError):
 
 class StageWorker(Worker):
     """A `Worker` run as a Ray actor: it can tell which node it is on, and answers pings and
-    timing requests on its own thread while its compiled-graph loop runs steps."""
+    timing requests on its own thread while it runs a step."""
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -62,6 +64,14 @@ class StageWorker(Worker):
     @ray.method(concurrency_group="control")
     def take_timings(self) -> dict[str, float]:
         return super().take_timings()
+
+
+def resolve_pipeline_control(control: str, use_gpu: bool) -> str:
+    """`parallel.pipeline_control` made concrete: auto is a compiled graph on GPUs and plain
+    actor calls on CPUs, where the graph's spinning reads take a core from the stages."""
+    if control != "auto":
+        return control
+    return "compiled_graph" if use_gpu else "actor_calls"
 
 
 class StepFuture:
@@ -109,6 +119,7 @@ class RayExecutor:
         self._graph: Any = None
         # The rule the Serve options reserved the replica's bundles by.
         use_gpu = stages_use_gpu(config.model.device, cluster_gpus())
+        self.control = resolve_pipeline_control(config.parallel.pipeline_control, use_gpu)
         bundles = stage_bundles(config, use_gpu)
         self._pg, self._owns_pg = self._placement_group(bundles, config)
         actor_cls = ray.remote(concurrency_groups={"control": 1})(StageWorker)
@@ -158,17 +169,21 @@ class RayExecutor:
         self.max_model_len = resolve_max_model_len(config, model_max_len, self.num_blocks)
         ray.get([a.init_cache.remote(self.num_blocks, self.max_model_len) for a in actors])
         self.stage_nodes = ips
-        with InputNode() as sched_out:
-            steps = MultiOutputNode([a.execute_model.bind(sched_out) for a in actors])
-        self._graph = steps.experimental_compile(_max_inflight_executions=len(actors))
-        logger.info("pipeline of %d stages on %s, %d KV blocks each", len(actors), ips,
-                    self.num_blocks)
+        if self.control == "compiled_graph":
+            with InputNode() as sched_out:
+                steps = MultiOutputNode([a.execute_model.bind(sched_out) for a in actors])
+            self._graph = steps.experimental_compile(_max_inflight_executions=len(actors))
+        logger.info("pipeline of %d stages on %s, %d KV blocks each, control by %s",
+                    len(actors), ips, self.num_blocks, self.control)
 
     # ------------------------------------------------------------------------- steps
     def execute_model(self, sched_out: SchedulerOutput) -> StepFuture:
         if self._failure is not None:
             raise StageDiedError(self._failure)
-        return StepFuture(self, self._graph.execute(sched_out))
+        if self._graph is not None:
+            return StepFuture(self, self._graph.execute(sched_out))
+        ref = ray.put(sched_out)  # pickled once for every stage
+        return StepFuture(self, [a.execute_model.remote(ref) for a in self._actors])
 
     def fail(self, stage: int, reason: str) -> StageDiedError:
         """Record that `stage` failed, stop every stage (none may hang waiting for it), and
