@@ -2,7 +2,7 @@
 interference that prefill/decode disaggregation removes.
 
 `bandwidth`: the same blocks (`--blocks` of the bench model's KV: 8 layers x 2 x 16 tokens x 8
-KV heads x 64, float32 = 256 KiB a block) moved on loopback (1) by the torch point-to-point
+KV heads x 64, float32 = 512 KiB a block) moved on loopback (1) by the torch point-to-point
 transport (pull from a producer's cache over a pairwise gloo group, checksums verified), (2)
 through the Ray object store (put by a producer actor, got by the driver), and (3) as raw bytes
 over a TCP socket between two threads. Prints MB/s and each against TCP.
