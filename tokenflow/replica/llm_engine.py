@@ -126,7 +126,8 @@ class LLMEngine:
             processed.prompt, processed.prompt_token_ids, processed.params,
             initial_output_ids=first.output_token_ids,
             # The orchestrator that ran the prefill streamed its token already.
-            emit_initial=not params.get("first_token_sent", False))
+            emit_initial=not params.get("first_token_sent", False),
+            continues_elsewhere=bool(params.get("do_remote_decode")))
         for request in processed.sequences:
             self.core.add_request(request)
 

@@ -70,6 +70,9 @@ class _Child:
     # Outputs the request arrived with, not yet sent: they lead its first delta.
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
+    # A prefill for another engine (do_remote_decode) ends at max_tokens only to hand over:
+    # the text of a character cut there is the decode side's to finish, not a U+FFFD here.
+    continues_elsewhere: bool = False
 
 
 class OutputProcessor:
@@ -85,9 +88,11 @@ class OutputProcessor:
     def add_request(self, request_id: str, child_ids: list[str], prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams,
                     initial_output_ids: list[int] | None = None,
-                    emit_initial: bool = True) -> None:
+                    emit_initial: bool = True, continues_elsewhere: bool = False) -> None:
         """`initial_output_ids`: outputs the request arrives with (generated elsewhere); they
-        lead the first delta, or, with `emit_initial=False`, only give the text context."""
+        lead the first delta, or, with `emit_initial=False`, only give the text context.
+        `continues_elsewhere`: another engine decodes on from where this one stops at
+        max_tokens, so bytes of a character left incomplete there are not flushed."""
         parent = _Parent(request_id, prompt, prompt_token_ids, len(child_ids),
                          RequestMetrics(time.time()))
         self._parents[request_id] = parent
@@ -99,7 +104,8 @@ class OutputProcessor:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     skip_special_tokens=params.skip_special_tokens,
                     prompt_token_ids=prompt_token_ids)
-            child = self._children[child_id] = _Child(parent, index, detok)
+            child = self._children[child_id] = _Child(parent, index, detok,
+                                                      continues_elsewhere=continues_elsewhere)
             if initial_output_ids:
                 text = detok.push(initial_output_ids) if detok is not None else ""
                 if emit_initial:
@@ -159,7 +165,8 @@ class OutputProcessor:
                 completion.text = child.pending_text + detok.push(out.new_token_ids)
                 if detok.finished and completion.finish_reason is None:
                     completion.finish_reason, completion.stop_reason = "stop", detok.stop_reason
-                elif completion.finish_reason is not None and not detok.finished:
+                elif completion.finish_reason is not None and not detok.finished and not (
+                        child.continues_elsewhere and completion.finish_reason == "length"):
                     completion.text += detok.flush()
         except Exception as exc:  # one request's bad output must not stop the others
             completion.finish_reason, error = "error", f"{type(exc).__name__}: {exc}"
