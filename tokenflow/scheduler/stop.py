@@ -61,9 +61,9 @@ def ends_in_repetition(tokens: Sequence[int], end: int,
         start = end - size * count
         if start < 0:
             return False  # every longer pattern needs even more tokens
-        # `count` copies of one pattern of `size` tokens is the same as every token equal to
-        # the one `size` places after it. The last token one period back is a cheap
-        # first test, which rejects almost every size before any list is copied.
+        # tokens[start:end] is `count` copies of one pattern exactly when each of its tokens
+        # equals the one `size` places later: two slices, compared in C. Testing the last
+        # token against one period back first rejects almost every size without copying.
         if tokens[end - 1 - size] == last and tokens[start:end - size] == tokens[start + size:end]:
             return True
     return False
