@@ -1,8 +1,8 @@
 """tokenflow: an LLM serving cluster on Ray Serve.
 
-`from tokenflow import LLM, SamplingParams, StructuredOutputsParams` gives the offline API, as
-vLLM users expect. They are imported on first use, so that importing a light part of the package (the HTTP ingress, the
-configs) does not import torch.
+`from tokenflow import LLM, SamplingParams, StructuredOutputsParams, RepetitionDetectionParams`
+gives the offline API, as vLLM users expect. They are imported on first use, so that importing a
+light part of the package (the HTTP ingress, the configs) does not import torch.
 """
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenflow.replica.llm import LLM
-    from tokenflow.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+    from tokenflow.scheduler.sampling_params import (
+        RepetitionDetectionParams,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "RepetitionDetectionParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +25,7 @@ def __getattr__(name: str) -> Any:
         from tokenflow.replica.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "StructuredOutputsParams", "RepetitionDetectionParams"):
         from tokenflow.scheduler import sampling_params
 
         return getattr(sampling_params, name)

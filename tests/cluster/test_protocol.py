@@ -44,7 +44,7 @@ from tokenflow.cluster.protocol import (
     parse_request,
 )
 from tokenflow.cluster.server import LLMServer
-from tokenflow.scheduler.sampling_params import SamplingParams
+from tokenflow.scheduler.sampling_params import RepetitionDetectionParams, SamplingParams
 
 MODEL = "tokenflow-tiny"
 ENGINE_ARGS = {"model": {"model": MODEL}, "cache": {"num_blocks": 256},
@@ -173,6 +173,24 @@ MALFORMED: list[tuple[str, dict[str, Any] | list[Any], int, str | None]] = [
     # Parsed by the engine (xgrammar), not the schema: still the client's 400.
     (CHAT, {"messages": OK_MSGS, "structured_outputs": {"json": {"type": "strin"}}}, 400, None),
     (CMPL, {"prompt": "hi", "guided_grammar": "root ::= nothing"}, 400, None),
+    (CMPL, {"prompt": "hi", "repetition_detection": {"max_pattern_size": 0, "min_count": 2}},
+     400, "repetition_detection.max_pattern_size"),
+    (CMPL, {"prompt": "hi", "repetition_detection": {"max_pattern_size": 257, "min_count": 2}},
+     400, "repetition_detection.max_pattern_size"),
+    (CMPL, {"prompt": "hi", "repetition_detection": {"max_pattern_size": 4, "min_count": 1}},
+     400, "repetition_detection.min_count"),
+    (CMPL, {"prompt": "hi", "repetition_detection": {"max_pattern_size": 4}},
+     400, "repetition_detection.min_count"),
+    (CMPL, {"prompt": "hi", "repetition_detection": {
+        "max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}},
+     400, "repetition_detection.min_pattern_size"),
+    (CHAT, {"messages": OK_MSGS, "repetition_detection": {
+        "max_pattern_size": 4, "min_pattern_size": 0, "min_count": 2}},
+     400, "repetition_detection.min_pattern_size"),
+    (CHAT, {"messages": OK_MSGS, "repetition_detection": {"max_pattern_size": "4",
+                                                          "min_count": 2}},
+     400, "repetition_detection.max_pattern_size"),
+    (CHAT, {"messages": OK_MSGS, "repetition_detection": 3}, 400, "repetition_detection"),
     # Python's json parser accepts `Infinity`; the schema must still refuse it.
     (CHAT, {"messages": OK_MSGS, "temperature": float("inf")}, 400, "temperature"),
     ("/tokenize", {}, 400, "messages"),
@@ -309,6 +327,18 @@ def test_completion_full_to_sampling_params() -> None:
         ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
         logprobs=3, skip_special_tokens=False,
     )
+
+
+def test_repetition_detection_to_sampling_params() -> None:
+    given = {"max_pattern_size": 8, "min_pattern_size": 2, "min_count": 3}
+    req = CompletionRequest.model_validate({"prompt": "hi", "repetition_detection": given})
+    assert req.to_sampling_params(None).repetition_detection == RepetitionDetectionParams(
+        max_pattern_size=8, min_pattern_size=2, min_count=3)
+    chat = ChatCompletionRequest.model_validate({
+        "messages": OK_MSGS, "repetition_detection": {"max_pattern_size": 4, "min_count": 5}})
+    assert chat.to_sampling_params(None).repetition_detection == RepetitionDetectionParams(
+        max_pattern_size=4, min_pattern_size=1, min_count=5)
+    assert CompletionRequest(prompt="hi").to_sampling_params(None).repetition_detection is None
 
 
 def test_completion_null_max_tokens_takes_default() -> None:
@@ -463,6 +493,47 @@ def test_openai_client_streams_equal_whole_responses(client: TestClient) -> None
     assert chat_chunks[-2].choices[0].finish_reason == whole_chat.choices[0].finish_reason
     assert chat_chunks[-1].usage is not None
     assert chat_chunks[-1].usage.total_tokens == whole_chat.usage.total_tokens
+
+
+# The embedded model loops quickly under greedy decoding: "hello hello hello" makes it say
+# one token four times, then another five times, and so on.
+LOOPING = {"temperature": 0, "max_tokens": 64,
+           "extra_body": {"ignore_eos": True,
+                          "repetition_detection": {"max_pattern_size": 3, "min_count": 4}}}
+
+
+def test_repetition_stops_a_completion_with_stop_reason(client: TestClient) -> None:
+    oai = _openai_client(client)
+    unstopped = oai.completions.create(model=MODEL, prompt="hello hello hello", temperature=0,
+                                       max_tokens=64, extra_body={"ignore_eos": True})
+    assert unstopped.choices[0].finish_reason == "length"
+    assert unstopped.choices[0].model_extra["stop_reason"] is None
+    cmpl = oai.completions.create(model=MODEL, prompt="hello hello hello", **LOOPING)
+    (choice,) = cmpl.choices
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == "repetition"
+    assert cmpl.usage is not None and 4 <= cmpl.usage.completion_tokens < 64
+    assert unstopped.choices[0].text.startswith(choice.text)
+    chunks = list(oai.completions.create(model=MODEL, prompt="hello hello hello", stream=True,
+                                         **LOOPING))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    last = chunks[-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", "repetition")
+
+
+def test_repetition_stops_a_chat_with_stop_reason(client: TestClient) -> None:
+    oai = _openai_client(client)
+    messages = [{"role": "user", "content": "hello hello hello"}]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, **LOOPING)
+    (choice,) = chat.choices
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", "repetition")
+    assert chat.usage is not None and chat.usage.completion_tokens < 64
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                              **LOOPING))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    last = chunks[-1].choices[0]
+    assert (last.finish_reason, last.model_extra["stop_reason"]) == ("stop", "repetition")
 
 
 def test_stream_chunks_omit_unset_fields(client: TestClient) -> None:

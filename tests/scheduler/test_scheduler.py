@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import random
 import warnings
 
 import pytest
@@ -17,12 +18,15 @@ from tests.scheduler.utils import (
 from tokenflow.config import CacheConfig, SchedulerConfig
 from tokenflow.scheduler import (
     ModelRunnerOutput,
+    RepetitionDetectionParams,
     Request,
     RequestStatus,
     Scheduler,
     build_scheduler,
     create_request_queue,
 )
+from tokenflow.scheduler import scheduler as scheduler_module
+from tokenflow.scheduler.stop import ends_in_repetition
 
 
 def step(scheduler, runner):
@@ -159,6 +163,181 @@ def test_tokens_after_a_stop_are_trimmed():
     assert o.new_token_ids == [fake_token("req0", 6), stop]
     assert r.output_token_ids == [fake_token("req0", 5), fake_token("req0", 6), stop]
     assert_no_leaks(scheduler)
+
+
+# ---------------------------------------------------------------- repetition detection
+PROMPT_LEN = 5
+
+
+def scripted(outputs_by_req: dict[str, list[int]]) -> FakeRunner:
+    """A runner whose listed requests sample the given outputs, in order (then fake tokens)."""
+    def sample(req_id: str, position: int) -> int:
+        script = outputs_by_req.get(req_id, [])
+        index = position - PROMPT_LEN
+        return script[index] if index < len(script) else fake_token(req_id, position)
+    return FakeRunner(sample)
+
+
+def repeating(max_size: int, count: int, min_size: int = 1) -> RepetitionDetectionParams:
+    return RepetitionDetectionParams(max_pattern_size=max_size, min_pattern_size=min_size,
+                                     min_count=count)
+
+
+def naive_ends_in_repetition(tokens: list[int], params: RepetitionDetectionParams) -> bool:
+    """Whether `tokens` end in `min_count` copies of one pattern: the definition, spelled out,
+    to check the scheduler's detector against."""
+    for size in range(params.min_pattern_size, params.max_pattern_size + 1):
+        length = size * params.min_count
+        if len(tokens) >= length and tokens[-length:] == tokens[-size:] * params.min_count:
+            return True
+    return False
+
+
+def naive_first_repetition(tokens: list[int], params: RepetitionDetectionParams) -> int | None:
+    """The fewest outputs that end in a repetition; None if no prefix does."""
+    return next((end for end in range(1, len(tokens) + 1)
+                 if naive_ends_in_repetition(tokens[:end], params)), None)
+
+
+def run_scripted(script: list[int], params: RepetitionDetectionParams | None,
+                 max_tokens: int = 30, **sampling) -> tuple[Request, dict]:
+    scheduler = create_scheduler()
+    (r,) = create_requests(1, PROMPT_LEN, max_tokens=max_tokens, repetition_detection=params,
+                           **sampling)
+    scheduler.add_request(r)
+    res = run_until_done(scheduler, scripted({"req0": script}))["req0"]
+    assert_no_leaks(scheduler)
+    return r, res
+
+
+def test_repetition_stops_at_the_first_full_repeat():
+    script = [10, 11, 12, 7, 8, 7, 8, 7, 8, 7, 8, 7, 8]
+    r, res = run_scripted(script, repeating(max_size=3, count=3))
+    assert r.status == RequestStatus.FINISHED_REPETITION
+    assert (res["finish_reason"], res["stop_reason"]) == ("stop", "repetition")
+    assert res["tokens"] == script[:9]  # the third "7 8" ends it, and is kept
+
+
+@pytest.mark.parametrize(("script", "params", "expected"), [
+    ([4, 4, 4, 4, 4, 4], repeating(max_size=1, count=4), 4),  # one token, four times
+    ([1, 2, 3, 1, 2, 3, 1, 2, 3], repeating(max_size=2, count=2), None),  # pattern too long
+    ([5, 5, 5, 5, 5, 5, 5, 5], repeating(max_size=4, count=2, min_size=3), 6),  # "5 5 5" twice
+    ([1, 2, 1, 2, 1, 2], repeating(max_size=2, count=4), None),  # too few copies
+])
+def test_repetition_pattern_sizes_and_counts(script, params, expected):
+    script = script + [900 + i for i in range(30)]  # then no repetition at all
+    assert naive_first_repetition(script, params) == expected
+    r, res = run_scripted(script, params)
+    if expected is None:
+        assert res["finish_reason"] == "length" and len(res["tokens"]) == 30
+    else:
+        assert r.status == RequestStatus.FINISHED_REPETITION
+        assert res["tokens"] == script[:expected]
+
+
+def test_repetition_counts_only_output_tokens():
+    # The prompt ends in "7 8 7 8": two more copies in the output are only two, not four.
+    scheduler = create_scheduler()
+    (r,) = create_requests(1, PROMPT_LEN, max_tokens=30, repetition_detection=repeating(2, 3))
+    r.prompt_token_ids[-4:] = r.all_token_ids[-4:] = [7, 8, 7, 8]
+    scheduler.add_request(r)
+    script = [7, 8, 7, 8, 7, 8, 1]
+    res = run_until_done(scheduler, scripted({"req0": script}))["req0"]
+    assert res["tokens"] == script[:6]
+
+
+def test_min_tokens_holds_back_repetition():
+    script = [3] * 12 + [900 + i for i in range(30)]
+    r, res = run_scripted(script, repeating(max_size=1, count=3), min_tokens=8)
+    assert r.status == RequestStatus.FINISHED_REPETITION
+    assert res["tokens"] == script[:9]  # repeated since the 3rd token, but 8 must come first
+
+
+def test_a_stop_token_wins_over_a_repetition_it_completes():
+    script = [6, 6, 6, 6]
+    r, res = run_scripted(script, repeating(max_size=1, count=3), stop_token_ids=[6],
+                          min_tokens=2)
+    assert (res["finish_reason"], res["stop_reason"]) == ("stop", 6)
+    assert res["tokens"] == [6, 6, 6]
+
+
+def test_repetition_in_multi_token_steps_is_cut_at_the_earliest_point():
+    # Accepted drafts bring several tokens a step: the repetition completes inside the third
+    # step, spanning the second, and the tokens after it are trimmed as after a stop token.
+    script = [1, 2, 3, 4, 3, 4, 3, 4, 9, 9]
+    params = repeating(max_size=2, count=3, min_size=2)
+    assert naive_first_repetition(script, params) == 8
+    scheduler = create_scheduler()
+    (r,) = create_requests(1, PROMPT_LEN, max_tokens=50, repetition_detection=params)
+    scheduler.add_request(r)
+    runner = scripted({"req0": script})
+    _, outputs = step(scheduler, runner)  # prefill: samples 1
+    scheduler.update_draft_token_ids({"req0": script[1:4]})
+    _, outputs = step(scheduler, runner)  # 2 3 4, and 3 sampled after them
+    assert outputs.outputs[0].new_token_ids == script[1:5]
+    assert outputs.outputs[0].finish_reason is None
+    scheduler.update_draft_token_ids({"req0": script[5:9]})
+    out, outputs = step(scheduler, runner)  # 4 3 4 9 and 9: the repetition ends at the 3rd
+    assert out.scheduled_spec_decode_tokens["req0"] == script[5:9]
+    (o,) = outputs.outputs
+    assert (o.finish_reason, o.stop_reason) == ("stop", "repetition")
+    assert o.new_token_ids == script[5:8]
+    assert r.output_token_ids == script[:8]
+    assert r.all_token_ids == r.prompt_token_ids + script[:8]
+    assert_no_leaks(scheduler)
+
+
+def test_repetition_detection_leaves_other_requests_alone(monkeypatch):
+    # Both sample the same loop; only the one that asked is stopped. The other pays for no
+    # full stop check until its length limit (the per-token pre-check lets it through).
+    calls = {"with0": 0, "without0": 0}
+    real_check = scheduler_module.check_stop
+
+    def counting_check(request, *args):
+        calls[request.request_id] += 1
+        return real_check(request, *args)
+
+    monkeypatch.setattr(scheduler_module, "check_stop", counting_check)
+    loop = [1, 2, 3] * 10
+    scheduler = create_scheduler()
+    (watched,) = create_requests(1, PROMPT_LEN, max_tokens=20, id_prefix="with",
+                                 repetition_detection=repeating(max_size=4, count=3))
+    (plain,) = create_requests(1, PROMPT_LEN, max_tokens=20, id_prefix="without")
+    for r in (watched, plain):
+        scheduler.add_request(r)
+    assert plain.full_check_from == 20
+    assert watched.full_check_from == 3  # no repetition of count 3 fits in fewer outputs
+    res = run_until_done(scheduler, scripted({"with0": loop, "without0": loop}))
+    assert res["with0"]["tokens"] == loop[:9]
+    assert (res["with0"]["finish_reason"], res["with0"]["stop_reason"]) == ("stop", "repetition")
+    assert res["without0"]["tokens"] == loop[:20]
+    assert (res["without0"]["finish_reason"], res["without0"]["stop_reason"]) == ("length", None)
+    assert calls == {"with0": 9 - 3 + 1, "without0": 1}
+    assert_no_leaks(scheduler)
+
+
+def test_detector_agrees_with_the_definition():
+    rng = random.Random(7)
+    for _ in range(300):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 25))]
+        params = repeating(max_size=rng.randrange(1, 6), count=rng.randrange(2, 5))
+        params.min_pattern_size = rng.randrange(1, params.max_pattern_size + 1)
+        for end in range(1, len(tokens) + 1):
+            expected = naive_ends_in_repetition(tokens[:end], params)
+            assert ends_in_repetition(tokens, end, params) == expected, (tokens[:end], params)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_pattern_size": 0, "min_count": 2}, "max_pattern_size must be >= 1"),
+    ({"max_pattern_size": 3, "min_pattern_size": 0, "min_count": 2},
+     "min_pattern_size must be >= 1"),
+    ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2},
+     r"min_pattern_size \(3\) must be <= max_pattern_size \(2\)"),
+    ({"max_pattern_size": 2, "min_count": 1}, "min_count must be >= 2"),
+])
+def test_repetition_params_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RepetitionDetectionParams(**kwargs)
 
 
 # ------------------------------------------------------------------------- preemption

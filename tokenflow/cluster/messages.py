@@ -48,7 +48,8 @@ class SeqDelta:
     """What one choice gained in one engine step.
 
     `index` is the OpenAI choice index: `prompt_index * n + sequence_index`. `finish_reason` is
-    the engine's ('stop', 'length', 'abort', 'error'), set on the choice's last delta.
+    the engine's ('stop', 'length', 'abort', 'error'), set on the choice's last delta, with
+    `stop_reason` saying which stop: a stop token id, a stop string, "repetition", or None.
     """
 
     index: int
@@ -59,6 +60,7 @@ class SeqDelta:
     error: str | None = None
     # Set when the failure was the replica's, not the request's: retrying may succeed.
     retry_after_s: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)

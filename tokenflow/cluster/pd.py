@@ -94,13 +94,15 @@ class PrefillClient:
 def _fold(delta: SeqDelta | None, deltas: list[SeqDelta]) -> SeqDelta:
     for d in deltas:
         if delta is None:
-            delta = SeqDelta(0, d.text, list(d.token_ids), d.logprobs, d.finish_reason, d.error)
+            delta = SeqDelta(0, d.text, list(d.token_ids), d.logprobs, d.finish_reason, d.error,
+                             stop_reason=d.stop_reason)
             continue
         delta.text += d.text
         delta.token_ids += d.token_ids
         if d.logprobs:
             delta.logprobs = (delta.logprobs or []) + d.logprobs
         delta.finish_reason = d.finish_reason or delta.finish_reason
+        delta.stop_reason = d.stop_reason if d.stop_reason is not None else delta.stop_reason
         delta.error = d.error or delta.error
     assert delta is not None
     return delta

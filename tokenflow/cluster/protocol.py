@@ -32,15 +32,26 @@ from pydantic import (
 )
 
 from tokenflow.cluster.errors import bad_request, from_validation_errors
-from tokenflow.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenflow.scheduler.sampling_params import (
+    RepetitionDetectionParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4
+# Checking for repetition costs up to one comparison per pattern size per token, in the
+# scheduler's loop that every request shares: bound it.
+MAX_REPETITION_PATTERN_SIZE = 256
 
 StrictFloat = Annotated[float, Strict()]  # accepts ints (JSON has one number type), not bools
 TokenId = Annotated[StrictInt, Field(ge=0)]
 FinishReason = Literal["stop", "length"]
+# Which stop ended a choice (vLLM's `stop_reason`): a stop token id, a stop string, or
+# "repetition"; None for EOS and length. Repetition is a "stop" for OpenAI clients, whose
+# finish reasons are a closed set.
+StopReason = int | str | None
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 
 
@@ -128,6 +139,29 @@ class StructuredOutputsRequest(_Request):
                                        grammar=self.grammar, json_object=self.json_object)
 
 
+class RepetitionDetectionRequest(_Request):
+    """vLLM's `repetition_detection` extra: stop (finish reason "stop", stop reason
+    "repetition") once the output ends in one pattern of `min_pattern_size` to
+    `max_pattern_size` tokens repeated `min_count` times in a row."""
+
+    max_pattern_size: StrictInt = Field(ge=1, le=MAX_REPETITION_PATTERN_SIZE)
+    min_pattern_size: StrictInt = Field(default=1, ge=1)
+    min_count: StrictInt = Field(ge=2)
+
+    @field_validator("min_pattern_size")
+    @classmethod
+    def _min_below_max(cls, value: int, info: ValidationInfo) -> int:
+        largest = info.data.get("max_pattern_size")
+        if largest is not None and value > largest:
+            raise ValueError(f"min_pattern_size ({value}) must be <= max_pattern_size ({largest})")
+        return value
+
+    def to_params(self) -> RepetitionDetectionParams:
+        return RepetitionDetectionParams(max_pattern_size=self.max_pattern_size,
+                                         min_pattern_size=self.min_pattern_size,
+                                         min_count=self.min_count)
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM-style extras.
 
@@ -166,6 +200,7 @@ class _SamplingRequest(_Request):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    repetition_detection: RepetitionDetectionRequest | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -244,6 +279,8 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 structured_outputs=self._structured_outputs(),
+                repetition_detection=(self.repetition_detection.to_params()
+                                      if self.repetition_detection is not None else None),
                 **{k: v for k, v in given.items() if v is not None},
             )
         except ValueError as exc:
@@ -463,6 +500,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
 
 class CompletionResponse(BaseModel):
@@ -518,6 +556,7 @@ class ChatCompletionChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -548,6 +587,7 @@ class ChatCompletionStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionStreamResponse(BaseModel):

@@ -4,6 +4,8 @@ One formatter per request. It keeps each choice's running state (text, logprobs,
 text offset) so that a streamed and a non-streamed response of the same generation agree.
 Engine finish reasons 'stop' and 'length' pass through; 'error' (and 'abort', which a live
 request never sees) becomes an error: a 500 for a whole response, an SSE error event in a stream.
+A choice's `stop_reason` (vLLM's field) says which stop ended it: a stop token id, a stop
+string, "repetition" (repetition detection), or null for EOS and length.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class _Choice:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     error: str | None = None
     retry_after_s: int | None = None
     text_offset: int = 0  # characters of token text so far (legacy completions logprobs)
@@ -75,19 +78,24 @@ class Formatter(ABC):
             choice.text += d.text
             choice.logprobs.extend(d.logprobs or [])
             choice.finish_reason = d.finish_reason or choice.finish_reason
+            if d.stop_reason is not None:  # a token id may be 0
+                choice.stop_reason = d.stop_reason
             choice.error = d.error or choice.error
             choice.retry_after_s = d.retry_after_s or choice.retry_after_s
             prev = merged.get(d.index)
             if prev is None:
                 merged[d.index] = SeqDelta(d.index, d.text, list(d.token_ids),
                                            list(d.logprobs) if d.logprobs is not None else None,
-                                           d.finish_reason, d.error, d.retry_after_s)
+                                           d.finish_reason, d.error, d.retry_after_s,
+                                           d.stop_reason)
             else:
                 prev.text += d.text
                 prev.token_ids.extend(d.token_ids)
                 if d.logprobs is not None:
                     prev.logprobs = (prev.logprobs or []) + d.logprobs
                 prev.finish_reason = d.finish_reason or prev.finish_reason
+                if d.stop_reason is not None:
+                    prev.stop_reason = d.stop_reason
                 prev.error = d.error or prev.error
                 prev.retry_after_s = d.retry_after_s or prev.retry_after_s
         return merged
@@ -167,6 +175,7 @@ class CompletionFormatter(Formatter):
         if failure is not None:
             return self._sse_tail(failure)
         choices = [CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason,
+                                    stop_reason=d.stop_reason,
                                     logprobs=self._legacy_logprobs(self.choices[i], d.logprobs))
                    for i, d in sorted(merged.items())]
         return [sse_event(CompletionStreamResponse(id=self.id, model=self.model,
@@ -182,6 +191,7 @@ class CompletionFormatter(Formatter):
         for i, c in enumerate(self.choices):
             c.text_offset = 0
             choices.append(CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason,
                                             logprobs=self._legacy_logprobs(c, c.logprobs)))
         return CompletionResponse(id=self.id, model=self.model, choices=choices,
                                   usage=self.usage(finished),
@@ -223,7 +233,8 @@ class ChatFormatter(Formatter):
             return self._sse_tail(failure)
         choices = [ChatCompletionStreamChoice(
             index=i, delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason,
-            logprobs=self._chat_logprobs(d.logprobs)) for i, d in sorted(merged.items())]
+            stop_reason=d.stop_reason, logprobs=self._chat_logprobs(d.logprobs))
+            for i, d in sorted(merged.items())]
         return [self._chunk(choices)]
 
     def _usage_chunk(self, usage: UsageInfo) -> str:
@@ -234,6 +245,7 @@ class ChatFormatter(Formatter):
         self._check_whole()
         choices = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text),
                                         finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason,
                                         logprobs=self._chat_logprobs(c.logprobs))
                    for i, c in enumerate(self.choices)]
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices,

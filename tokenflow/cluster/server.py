@@ -206,7 +206,8 @@ class LLMServer:
     def _delta(base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
         logprobs = None if c.logprobs is None else [_logprob(lp) for lp in c.logprobs]
         return SeqDelta(base_index + c.index, c.text, list(c.token_ids), logprobs,
-                        c.finish_reason, error if c.finish_reason == "error" else None)
+                        c.finish_reason, error if c.finish_reason == "error" else None,
+                        stop_reason=c.stop_reason)
 
     def _record(self, out: RequestOutput, tally: _Tally, received_time: float | None) -> None:
         m = out.metrics

@@ -5,13 +5,13 @@ from tokenflow.scheduler.factory import build_scheduler, import_scheduler_cls
 from tokenflow.scheduler.queue import FCFSQueue, PriorityQueue, RequestQueue, create_request_queue
 from tokenflow.scheduler.request import Request, RequestStatus
 from tokenflow.scheduler.runner_output import ModelRunnerOutput, TokenLogprobs
-from tokenflow.scheduler.sampling_params import SamplingParams
+from tokenflow.scheduler.sampling_params import RepetitionDetectionParams, SamplingParams
 from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenflow.scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue", "ModelRunnerOutput",
-    "NewRequestData", "PriorityQueue", "Request", "RequestQueue", "RequestStatus",
-    "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerStats", "TokenLogprobs",
-    "build_scheduler", "create_request_queue", "import_scheduler_cls",
+    "NewRequestData", "PriorityQueue", "RepetitionDetectionParams", "Request", "RequestQueue",
+    "RequestStatus", "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerStats",
+    "TokenLogprobs", "build_scheduler", "create_request_queue", "import_scheduler_cls",
 ]

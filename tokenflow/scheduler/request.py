@@ -87,8 +87,10 @@ class Request:
     grammar: Any = None
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
-    # Set by the scheduler at admission, so the per-token stop pre-check is two comparisons.
-    max_output_tokens: int = field(init=False, default=0)
+    # Set by the scheduler at admission, so the per-token stop pre-check is two comparisons:
+    # from this many outputs on, every token gets the full stop check (the length limit, or
+    # earlier for repetition detection; see stop.first_full_check).
+    full_check_from: int = field(init=False, default=0)
     stop_token_set: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:

@@ -42,6 +42,37 @@ class StructuredOutputsParams:
         return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
 
 
+@dataclass(kw_only=True)
+class RepetitionDetectionParams:
+    """Stop a request whose output ends in a loop (vLLM's `RepetitionDetectionParams`): some
+    pattern of `min_pattern_size` to `max_pattern_size` tokens repeated `min_count` times in a
+    row at the end of the output. The request then finishes with `FINISHED_REPETITION`.
+
+    Only output tokens count, never the prompt. Keyword-only, so that the fields keep vLLM's
+    order although only `min_pattern_size` has a default."""
+
+    max_pattern_size: int
+    min_pattern_size: int = 1
+    min_count: int
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.min_pattern_size >= 1,
+             f"repetition_detection.min_pattern_size must be >= 1, got {self.min_pattern_size}"),
+            (self.max_pattern_size >= 1,
+             f"repetition_detection.max_pattern_size must be >= 1, got {self.max_pattern_size}"),
+            (self.min_pattern_size <= self.max_pattern_size,
+             f"repetition_detection.min_pattern_size ({self.min_pattern_size}) must be <= "
+             f"max_pattern_size ({self.max_pattern_size})"),
+            # One occurrence of a pattern is no repetition.
+            (self.min_count >= 2,
+             f"repetition_detection.min_count must be >= 2, got {self.min_count}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops. `top_k <= 0` and `top_p == 1` mean off."""
@@ -65,6 +96,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

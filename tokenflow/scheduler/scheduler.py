@@ -20,7 +20,7 @@ from tokenflow.scheduler.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenflow.scheduler.stop import check_stop
+from tokenflow.scheduler.stop import check_stop, first_full_check
 
 if TYPE_CHECKING:  # the manager uses xgrammar (and torch); the scheduler only calls it
     from tokenflow.replica.structured_output import StructuredOutputManager
@@ -97,8 +97,9 @@ class Scheduler:
                          f"generate within max_model_len={self.max_model_len}")
             return
         params = request.sampling_params
-        request.max_output_tokens = min(params.max_tokens or self.max_model_len,
-                                        self.max_model_len - request.num_prompt_tokens)
+        length_limit = min(params.max_tokens or self.max_model_len,
+                           self.max_model_len - request.num_prompt_tokens)
+        request.full_check_from = first_full_check(params, length_limit)
         stops = set(params.stop_token_ids)
         if request.eos_token_id is not None and not params.ignore_eos:
             stops.add(request.eos_token_id)
@@ -447,9 +448,10 @@ class Scheduler:
                                    None, None, request.num_cached_tokens)
             grammar_done = (request.grammar is not None and bool(sampled)
                             and self.structured.accept(request, sampled))
-            # Cheap pre-check; the full check (min_tokens, trimming) only when it may stop.
+            # Cheap pre-check; the full check (min_tokens, repetition, trimming) only when it
+            # may stop. Repetition detection costs nothing here: it lowers full_check_from.
             if sampled and (len(sampled) > 1 or sampled[0] in request.stop_token_set
-                            or len(request.output_token_ids) >= request.max_output_tokens):
+                            or len(request.output_token_ids) >= request.full_check_from):
                 num_keep = check_stop(request, len(sampled), max_model_len)
                 if num_keep is not None:
                     self._finish_stopped(request, out, len(sampled) - num_keep)
