@@ -67,4 +67,6 @@ def test_prefill_and_decode_on_two_nodes(netns_cluster: NamespaceCluster) -> Non
         assert result["where"] == {"decode": netns_cluster.node("w2").ip,
                                    "prefill": netns_cluster.node("w1").ip}, connector
         stats = result["stats"]
-        assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, connector
+        assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, (
+            connector, stats)
+        assert stats["prefill_fallbacks"] == 0, (connector, stats)

@@ -43,6 +43,8 @@ class PrefillClient:
 
     def __init__(self, handle: Any) -> None:
         self._streaming = handle.options(stream=True)
+        # Prefills that failed or were refused, so this replica computed the whole request.
+        self.num_fallbacks = 0
 
     @staticmethod
     def wants(prompts: list[list[int]], params: SamplingParams,
@@ -57,13 +59,16 @@ class PrefillClient:
         first_only = dataclasses.replace(params, max_tokens=1,
                                          min_tokens=min(params.min_tokens, 1))
         try:
-            return await asyncio.wait_for(
+            prefilled = await asyncio.wait_for(
                 self._run(prompt, first_only, request_id, priority), PREFILL_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the decode replica computes everything instead
             logger.warning("prefill of %s failed (%r); computing it here", request_id, exc)
-            return None
+            prefilled = None
+        if prefilled is None:
+            self.num_fallbacks += 1
+        return prefilled
 
     async def _run(self, prompt: list[int], params: SamplingParams, request_id: str,
                    priority: int) -> Prefilled | None:
@@ -74,11 +79,15 @@ class PrefillClient:
         try:
             async for event in stream:
                 if isinstance(event, Rejected):
+                    logger.warning("prefill of %s refused (%s); computing it here",
+                                   request_id, event.message)
                     return None
                 if isinstance(event, list):
                     delta = _fold(delta, event)
                 elif isinstance(event, Finished):
                     if delta is None or delta.finish_reason == "error":
+                        logger.warning("prefill of %s ended in an error (%s); computing it "
+                                       "here", request_id, delta and delta.error)
                         return None
                     params_out = event.kv_transfer_params
                     if delta.finish_reason == "length":

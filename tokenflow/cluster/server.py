@@ -237,7 +237,8 @@ class LLMServer:
                 "num_blocks": num_blocks,
                 "waiting_for_remote_kv": stats.num_waiting_for_remote_kvs,
                 "kv_transfer_bytes": totals.kv_transfer_bytes,
-                "kv_transfer_failures": totals.kv_transfer_failures}
+                "kv_transfer_failures": totals.kv_transfer_failures,
+                "prefill_fallbacks": self._prefill.num_fallbacks if self._prefill else 0}
 
     def node_ip(self) -> str:
         """The IP of the node this replica runs on (where its KV transfers come from)."""
