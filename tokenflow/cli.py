@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from tokenflow.cluster.dashboards_cli import add_parser as _add_dashboards
+from tokenflow.cluster.launcher import DEFAULT_DRAIN_TIMEOUT_S
 from tokenflow.cluster.observe import add_arguments as add_observe_arguments
 
 
@@ -61,6 +62,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="override host (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="override port (default 8000)")
     p.add_argument("--api-key", default=None, help="require this bearer token")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM, admit nothing new and wait up to this long for "
+                        "the requests in progress to finish (0: stop at once; default "
+                        f"{DEFAULT_DRAIN_TIMEOUT_S:g})")
     add_observe_arguments(p)
     p.set_defaults(func=_serve)
 

@@ -57,7 +57,11 @@ class SchedulerConfig(_Frozen):
     """The token budget and the limits of one scheduling step."""
 
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # The model runner's request slots: no more requests than this are ever RUNNING.
     max_num_seqs: int = Field(default=128, ge=1)
+    # The cap on admission into RUNNING (vLLM's max_num_active_seqs), at most max_num_seqs;
+    # None: max_num_seqs. Lower, it admits fewer requests without resizing the runner.
+    max_num_active_seqs: int | None = Field(default=None, ge=1)
     # None: take the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = Field(default=None, ge=2)
     enable_chunked_prefill: bool = True
@@ -75,6 +79,19 @@ class SchedulerConfig(_Frozen):
                 f"unknown scheduling policy {value!r}; valid: {', '.join(SCHEDULING_POLICIES)}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _active_within_slots(self) -> SchedulerConfig:
+        if self.max_num_active_seqs is not None and self.max_num_active_seqs > self.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs={self.max_num_active_seqs} exceeds "
+                             f"max_num_seqs={self.max_num_seqs}: every running request "
+                             "takes one of the runner's slots")
+        return self
+
+    @property
+    def active_seqs_limit(self) -> int:
+        """How many requests may be RUNNING at once."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
 
 class ParallelConfig(_Frozen):

@@ -9,6 +9,7 @@ address file away from every other Ray user of the machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import psutil
@@ -37,6 +40,18 @@ deployment:
   ray_actor_options: {num_cpus: 0.5}
 """
 READY = "serving the OpenAI API"
+# Two replicas, so that a pause must reach both.
+TWO_REPLICAS = """
+engine:
+  model: {model: tokenflow-tiny}
+  cache: {block_size: 16, num_blocks: 64}
+  scheduler: {max_model_len: 512, max_num_batched_tokens: 256}
+deployment:
+  num_replicas: 2
+  ray_actor_options: {num_cpus: 0.25}
+"""
+API_KEY = "launcher-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 class ServeProcess:
@@ -190,3 +205,103 @@ def test_the_watch_notices_a_port_that_stops_answering() -> None:
     problem = launcher._serve_until_stopped(watch)  # returns, does not hang
     closer.join()
     assert problem is not None and "stopped answering" in problem
+
+
+def test_pause_reaches_every_replica_and_sigterm_drains(env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    config = tmp_path / "two.yaml"
+    config.write_text(TWO_REPLICAS)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = ServeProcess(["--config", str(config), "--port", str(port), "--api-key", API_KEY,
+                           "--drain-timeout", "120"], env)
+    try:
+        server.wait_for(READY)
+        assert httpx.post(f"{base}/pause", timeout=60).status_code == 401
+        paused = httpx.post(f"{base}/pause", params={"mode": "all"}, headers=AUTH,
+                            timeout=60).json()
+        assert paused["is_paused"] is True
+        assert [r["state"] for r in paused["replicas"]] == ["paused_all"] * 2
+        assert len({r["replica"] for r in paused["replicas"]}) == 2
+        status = httpx.get(f"{base}/is_paused", headers=AUTH, timeout=60).json()
+        assert status["is_paused"] is True and len(status["replicas"]) == 2
+        resumed = httpx.post(f"{base}/resume", headers=AUTH, timeout=60).json()
+        assert resumed["is_paused"] is False
+        assert [r["state"] for r in resumed["replicas"]] == ["unpaused"] * 2
+        # A request under way when SIGTERM arrives runs to its end before the server stops.
+        body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH,
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            events = (line for line in resp.iter_lines() if line.startswith("data: "))
+            received = [next(events)]
+            server.proc.send_signal(signal.SIGTERM)
+            received += list(events)
+        assert received[-1] == "data: [DONE]"
+        usage = json.loads(received[-2][len("data: "):])["usage"]
+        assert usage["completion_tokens"] == 400
+        assert server.proc.wait(timeout=120) == 0
+        assert "draining" in server.output and "drained" in server.output, server.output
+    finally:
+        server.kill()
+
+
+class FakeServerHandle:
+    """Stands for the LLMServer deployment's handle: two replicas, idle after some polls."""
+
+    def __init__(self, idle_after_polls: int | None) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self._idle_after = idle_after_polls
+
+    def broadcast(self, method: str, *args: Any) -> Any:
+        self.calls.append((method, *args))
+        polls = sum(call[0] == "pause_status" for call in self.calls)
+        idle = self._idle_after is not None and polls > self._idle_after
+        result = [{"idle": idle}] * 2 if method == "pause_status" else [{}] * 2
+        return SimpleNamespace(results=lambda timeout_s=None: result)
+
+
+@pytest.fixture
+def drain_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """`_drain` against a fake handle, its signal event exposed instead of installed."""
+    from ray import serve
+
+    from tokenflow.cluster import launcher
+
+    state: dict[str, Any] = {}
+    monkeypatch.setattr(launcher, "DRAIN_POLL_S", 0.01)
+    monkeypatch.setattr(launcher, "_on_stop_signals", lambda event: state.update(hurry=event))
+    monkeypatch.setattr(serve, "get_deployment_handle",
+                        lambda name, app_name: state["handle"])
+    return state
+
+
+def test_drain_pauses_new_then_waits_until_every_replica_is_idle(
+        drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenflow.cluster import launcher
+    from tokenflow.config import AppConfig
+    from tokenflow.scheduler import PauseState
+
+    handle = drain_env["handle"] = FakeServerHandle(idle_after_polls=3)
+    launcher._drain(AppConfig(), timeout_s=30)
+    assert handle.calls[0] == ("pause", PauseState.PAUSED_NEW)
+    assert [call[0] for call in handle.calls[1:]] == ["pause_status"] * 4
+    assert capsys.readouterr().err.rstrip().endswith("drained")
+
+
+def test_drain_stops_waiting_at_its_timeout_or_a_second_signal(
+        drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenflow.cluster import launcher
+    from tokenflow.config import AppConfig
+
+    drain_env["handle"] = FakeServerHandle(idle_after_polls=None)
+    started = time.monotonic()
+    launcher._drain(AppConfig(), timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - started < 10
+    assert "drain cut short" in capsys.readouterr().err
+    threading.Timer(0.1, lambda: drain_env["hurry"].set()).start()
+    launcher._drain(AppConfig(), timeout_s=60)
+    assert "drain cut short" in capsys.readouterr().err
+    launcher._drain(AppConfig(), timeout_s=0)  # no drain at all
+    assert capsys.readouterr().err == ""

@@ -576,3 +576,70 @@ def test_openai_client_raises_typed_errors(client: TestClient) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         oai.completions.create(model=MODEL, prompt=[5] * 600)
     assert "max_model_len=512" in too_long.value.message
+
+
+# ------------------------------------------------------------------- admin: pause/resume
+ADMIN_KEY = "admin-test-key"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ADMIN_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused")]
+
+
+@pytest.fixture(scope="module")
+def keyed_client(server: LLMServer) -> Iterator[TestClient]:
+    """The same routes over the same server, behind an API key."""
+    app = build_openai_app(OpenAIServing(LocalBackend(server), MODEL, api_key=ADMIN_KEY))
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize(("method", "route"), ADMIN_ROUTES)
+def test_admin_routes_need_the_api_key(keyed_client: TestClient, server: LLMServer,
+                                       method: str, route: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong-key"}):
+        resp = keyed_client.request(method, route, headers=headers, params={"mode": "all"})
+        assert resp.status_code == 401, resp.text
+        _check_error_shape(resp.json(), 401)
+    assert not server.engine.is_paused()
+
+
+def test_pause_modes_status_and_resume(keyed_client: TestClient, server: LLMServer) -> None:
+    try:
+        resp = keyed_client.post("/pause", headers=AUTH)  # no body, no query: mode new
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["is_paused"] is True and len(body["replicas"]) == 1
+        replica = body["replicas"][0]
+        assert replica["state"] == "paused_new" and replica["replica"] is None  # not in Serve
+        assert {"idle", "running", "waiting"} <= replica.keys()
+        assert server.engine.is_paused()
+        assert keyed_client.post("/pause?mode=all", headers=AUTH).json()[
+            "replicas"][0]["state"] == "paused_all"
+        assert keyed_client.post("/pause", json={"mode": "new"}, headers=AUTH).json()[
+            "replicas"][0]["state"] == "paused_new"
+        status = keyed_client.get("/is_paused", headers=AUTH)
+        assert status.status_code == 200 and status.json()["is_paused"] is True
+    finally:
+        resumed = keyed_client.post("/resume", headers=AUTH)
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["is_paused"] is False
+    assert resumed.json()["replicas"][0]["state"] == "unpaused"
+    assert keyed_client.get("/is_paused", headers=AUTH).json()["is_paused"] is False
+    resp = keyed_client.post(CMPL, json={"prompt": "hi", "max_tokens": 2}, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize(("query", "body"), [
+    ({"mode": "everything"}, None),
+    ({"mode": ""}, None),
+    (None, {"mode": "keep"}),
+    (None, {"mode": 1}),
+    (None, "{oops"),
+])
+def test_a_bad_pause_mode_is_400(keyed_client: TestClient, server: LLMServer,
+                                 query: dict[str, str] | None, body: Any) -> None:
+    content = body if isinstance(body, str) else json.dumps(body) if body else None
+    resp = keyed_client.post("/pause", params=query, content=content, headers=AUTH)
+    assert resp.status_code == 400, resp.text
+    error = _check_error_shape(resp.json(), 400)
+    assert error["param"] == (None if body == "{oops" else "mode")
+    assert not server.engine.is_paused()

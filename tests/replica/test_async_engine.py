@@ -11,7 +11,7 @@ import pytest
 from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenflow.replica.async_engine import AsyncEngine
 from tokenflow.replica.llm import LLM
-from tokenflow.scheduler import SamplingParams
+from tokenflow.scheduler import PauseState, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -173,3 +173,69 @@ async def test_failed_step_errors_its_requests_and_the_loop_goes_on(engine, monk
     _, ids, finish = await collect(engine, "the next one works")
     assert finish == "length" and len(ids) == 12
     await wait_all_free(engine)
+
+
+# ----------------------------------------------------------------------------- pausing
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def count_steps(engine, monkeypatch) -> dict[str, int]:
+    steps = {"n": 0}
+    original = engine.engine.step
+
+    def counting_step():
+        steps["n"] += 1
+        return original()
+
+    monkeypatch.setattr(engine.engine, "step", counting_step)
+    return steps
+
+
+async def test_pause_all_holds_requests_without_spinning_until_resumed(engine, monkeypatch):
+    unpaused = await collect(engine, "held while paused")
+    engine.pause(PauseState.PAUSED_ALL)
+    try:
+        assert engine.is_paused() and engine.pause_state is PauseState.PAUSED_ALL
+        task = asyncio.create_task(collect(engine, "held while paused", request_id="held"))
+        await wait_until(lambda: engine.request_counts == (0, 1) and engine.is_idle())
+        steps = count_steps(engine, monkeypatch)
+        await asyncio.sleep(0.3)
+        assert steps["n"] == 0, "a paused engine must sleep, not step"
+        assert not task.done()
+    finally:
+        engine.resume()
+    assert await task == unpaused
+    assert not engine.is_paused()
+    await wait_all_free(engine)
+
+
+async def test_pause_new_lets_running_requests_finish_and_holds_new_ones(engine):
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    stream = engine.generate("a long story " * 5, long, request_id="drain-long")
+    first = await stream.__anext__()  # admitted: it runs to its end through the pause
+    engine.pause(PauseState.PAUSED_NEW)
+    try:
+        late = asyncio.create_task(collect(engine, "a late request", request_id="drain-late"))
+        num_tokens, finish = len(first.outputs[0].token_ids), None
+        async for delta in stream:
+            num_tokens += len(delta.outputs[0].token_ids)
+            finish = delta.outputs[0].finish_reason
+        assert (num_tokens, finish) == (60, "length")
+        await wait_until(engine.is_idle)  # drained: only never admitted requests are left
+        assert engine.request_counts == (0, 1) and not late.done()
+    finally:
+        engine.resume()
+    _, ids, late_finish = await late
+    assert late_finish == "length" and len(ids) == 12
+    await wait_all_free(engine)
+
+
+def test_pausing_with_unpaused_is_an_error(engine):
+    with pytest.raises(ValueError, match="resume"):
+        engine.pause(PauseState.UNPAUSED)
+    assert not engine.is_paused()

@@ -18,6 +18,7 @@ from tests.scheduler.utils import (
 from tokenflow.config import CacheConfig, SchedulerConfig
 from tokenflow.scheduler import (
     ModelRunnerOutput,
+    PauseState,
     RepetitionDetectionParams,
     Request,
     RequestStatus,
@@ -632,3 +633,126 @@ def test_prefix_lookups_are_counted_once_per_admission():
     assert b.num_cached_tokens == 32
     kv = scheduler.kv
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40 + 40 + 40, 32)
+
+
+# ---------------------------------------------------------------------------- pausing
+def test_paused_new_admits_nothing_new_and_running_requests_finish():
+    scheduler = create_scheduler()
+    runner = FakeRunner()
+    (early,) = create_requests(1, 8, max_tokens=6, id_prefix="early")
+    scheduler.add_request(early)
+    step(scheduler, runner)
+    scheduler.pause(PauseState.PAUSED_NEW)
+    (late,) = create_requests(1, 8, max_tokens=6, id_prefix="late")
+    scheduler.add_request(late)
+    assert scheduler.has_unfinished_requests() and scheduler.has_work()
+    finished = None
+    for _ in range(20):
+        out, outputs = step(scheduler, runner)
+        assert not out.scheduled_new_reqs and "late0" not in out.num_scheduled_tokens
+        if any(o.finish_reason for o in outputs.outputs):
+            finished = outputs
+            break
+    assert finished is not None and early.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # Drained: only the never admitted request is left, and no step can run it.
+    assert late.status == RequestStatus.WAITING and scheduler.has_unfinished_requests()
+    assert not scheduler.has_work()
+    assert scheduler.request_counts() == (0, 1)
+    assert scheduler.schedule().total_num_scheduled_tokens == 0
+
+
+def test_paused_new_readmits_preempted_requests():
+    # This scheduler frees a victim's blocks, so a preempted request holds none; it ran
+    # before, though, and a drain must see it finish.
+    scheduler, runner, requests = _fill_cache("fcfs", None)
+    scheduler.pause(PauseState.PAUSED_NEW)
+    out, _ = step(scheduler, runner)
+    assert out.preempted_req_ids == {"req2"}
+    assert scheduler.kv.num_blocks_held("req2") == 0 and scheduler.has_work()
+    results = run_until_done(scheduler, runner)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH_CAPPED for r in requests)
+    assert "req2" in results and requests[2].num_preemptions == 1
+    assert_no_leaks(scheduler)
+
+
+def test_paused_new_admits_a_waiting_request_that_holds_blocks():
+    # As a consumer's request after its prompt KV was loaded from another engine: it holds
+    # blocks for 8 of its 10 prompt tokens and waits to compute the rest.
+    scheduler = create_scheduler(block_size=4)
+    loaded, fresh = create_requests(2, 10, max_tokens=4)
+    scheduler.add_request(loaded)
+    scheduler.add_request(fresh)
+    assert scheduler.kv.allocate_slots(loaded, 8, delay_cache_blocks=True) is not None
+    loaded.num_computed_tokens = 8
+    scheduler.pause(PauseState.PAUSED_NEW)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"req0": 2}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["req0"]
+    assert fresh.status == RequestStatus.WAITING and scheduler.waiting.peek() is fresh
+
+
+def test_paused_all_schedules_nothing_and_resume_goes_on():
+    alone = {}
+    for r in create_requests(3, 12, max_tokens=8):
+        alone.update(run_until_done(_with(create_scheduler(), [r])))
+    scheduler = create_scheduler(max_num_seqs=2)
+    runner = FakeRunner()
+    requests = create_requests(3, 12, max_tokens=8)
+    _with(scheduler, requests)
+    _, first = step(scheduler, runner)
+    progress = [r.num_computed_tokens for r in requests]
+    scheduler.pause(PauseState.PAUSED_ALL)
+    assert not scheduler.has_work() and scheduler.has_unfinished_requests()
+    for _ in range(3):
+        out, outputs = step(scheduler, runner)
+        assert out.total_num_scheduled_tokens == 0 and not out.num_scheduled_tokens
+        assert not outputs.outputs
+    assert [r.num_computed_tokens for r in requests] == progress
+    assert [r.status for r in requests] == [RequestStatus.RUNNING] * 2 + [RequestStatus.WAITING]
+    # An abort while paused still reaches the workers.
+    (doomed,) = create_requests(1, 4, id_prefix="doomed")
+    scheduler.add_request(doomed)
+    scheduler.finish_requests(["doomed0"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().finished_req_ids == {"doomed0"}
+    scheduler.resume()
+    assert scheduler.pause_state is PauseState.UNPAUSED and scheduler.has_work()
+    rest = run_until_done(scheduler, runner)
+    # Each request's tokens are those of an undisturbed run: the pause only delayed them.
+    for o in first.outputs:
+        rest[o.request_id]["tokens"][:0] = o.new_token_ids
+    assert rest == alone
+    assert_no_leaks(scheduler)
+
+
+def _with(scheduler, requests):
+    for r in requests:
+        scheduler.add_request(r)
+    return scheduler
+
+
+def test_pausing_with_unpaused_is_an_error():
+    with pytest.raises(ValueError, match="resume"):
+        create_scheduler().pause(PauseState.UNPAUSED)
+
+
+def test_pause_modes_of_the_http_api():
+    assert PauseState.from_mode("new") is PauseState.PAUSED_NEW
+    assert PauseState.from_mode("all") is PauseState.PAUSED_ALL
+    with pytest.raises(ValueError, match="valid: new, all"):
+        PauseState.from_mode("everything")
+
+
+def test_max_num_active_seqs_caps_running_not_the_runner_slots():
+    config = SchedulerConfig(max_num_seqs=8, max_num_active_seqs=2)
+    assert config.max_num_seqs == 8 and config.active_seqs_limit == 2
+    assert SchedulerConfig(max_num_seqs=8).active_seqs_limit == 8
+    scheduler = Scheduler(config, CacheConfig(), 1000, 4096)
+    for r in create_requests(4, 8, max_tokens=3):
+        scheduler.add_request(r)
+    runner = FakeRunner()
+    seen_running = []
+    results = run_until_done(scheduler, runner,
+                             on_step=lambda s, out: seen_running.append(len(s.running)))
+    assert max(seen_running) == 2 and len(results) == 4
+    with pytest.raises(ValueError, match="max_num_active_seqs=9 exceeds max_num_seqs=8"):
+        SchedulerConfig(max_num_seqs=8, max_num_active_seqs=9)

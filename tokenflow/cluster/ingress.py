@@ -4,6 +4,11 @@ The routes are `openai_serving.build_openai_app`; this module only supplies thei
 `LLMServer` replicas behind a DeploymentHandle, and translates Ray's failures into what an HTTP
 client can act on: a dead or unreachable replica is a 503 with `Retry-After` (the client may
 retry), an overloaded deployment (Serve's `max_queued_requests`) likewise.
+
+The admin routes (`/pause`, `/resume`, `/is_paused`) reach every `LLMServer` replica with
+`DeploymentHandle.broadcast`: all replicas running when the call is made. Serve starts a new
+replica (autoscaling, or replacing a dead one) unpaused; `/is_paused` shows it, and pausing
+again reaches it.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from tokenflow.cluster.errors import service_unavailable
 from tokenflow.cluster.messages import StreamEvent
 from tokenflow.cluster.openai_serving import OpenAIServing, build_openai_app
+from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 # A replica that died is replaced by Serve within seconds; an overload clears sooner.
 REPLICA_GONE_RETRY_S = 5
 OVERLOADED_RETRY_S = 1
+# Every replica answers an admin call from its event loop at once, whatever its load.
+ADMIN_TIMEOUT_S = 30
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
@@ -80,6 +88,28 @@ class _HandleBackend:
         if not running:
             raise RuntimeError(f"no running {self._server.deployment_name} replica "
                                f"({deployment.status}: {deployment.message or 'no message'})")
+
+    async def pause(self, mode: PauseState) -> list[dict[str, Any]]:
+        return await self._broadcast("pause", mode)
+
+    async def resume(self) -> list[dict[str, Any]]:
+        return await self._broadcast("resume")
+
+    async def pause_status(self) -> list[dict[str, Any]]:
+        return await self._broadcast("pause_status")
+
+    async def _broadcast(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        """Call `method` on every replica. A replica that is gone, or no answer in time, is a
+        503: the calls are idempotent, so the client retries them all."""
+        try:
+            return await self._server.broadcast(method, *args).results_async(
+                timeout_s=ADMIN_TIMEOUT_S)
+        except _REPLICA_GONE as exc:
+            raise service_unavailable(f"a model replica is unavailable ({type(exc).__name__}); "
+                                      "retry", REPLICA_GONE_RETRY_S) from exc
+        except TimeoutError as exc:
+            raise service_unavailable(f"a model replica did not answer {method} within "
+                                      f"{ADMIN_TIMEOUT_S} s; retry", REPLICA_GONE_RETRY_S) from exc
 
 
 @serve.ingress()

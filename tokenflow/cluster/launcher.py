@@ -3,9 +3,10 @@
 A new local Ray cluster is started unless `RAY_ADDRESS` names one to join (never whatever
 cluster Ray's temp dir happens to name). While the application deploys, one status line is
 printed each time its state changes; then the URL; then the process waits for Ctrl-C or
-SIGTERM, watching that its port still answers (if Ray dies under it, it exits non-zero), and
-shuts down only what it started: on its own cluster Serve and Ray, on a joined cluster only its
-own application. A cluster started here has the Ray dashboard on; its URL and the metrics port
+SIGTERM, watching that its port still answers (if Ray dies under it, it exits non-zero), drains
+(every replica admits nothing new and finishes what it admitted, for at most `--drain-timeout`
+seconds; a second Ctrl-C or SIGTERM cuts it short) and shuts down only what it started: on its
+own cluster Serve and Ray, on a joined cluster only its own application. A cluster started here has the Ray dashboard on; its URL and the metrics port
 are printed (`cluster.observe`).
 """
 
@@ -25,6 +26,10 @@ from tokenflow.config import AppConfig
 
 APP_NAME = "tokenflow"
 POLL_S = 1.0
+DRAIN_POLL_S = 0.5
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# One broadcast to the replicas (they answer from their event loop, whatever their load).
+CONTROL_TIMEOUT_S = 30.0
 # Consecutive refused connections on our port before concluding the server is gone.
 MAX_REFUSALS = 3
 
@@ -191,16 +196,60 @@ class ClusterWatch:
         return None
 
 
+def _on_stop_signals(stop: threading.Event) -> None:
+    """Ctrl-C or SIGTERM from now on sets `stop`."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
 def _serve_until_stopped(watch: ClusterWatch) -> str | None:
     """Wait for Ctrl-C or SIGTERM (None), or until the watch finds a problem (returned)."""
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _on_stop_signals(stop)
     while not stop.wait(POLL_S):
         problem = watch.problem()
         if problem is not None:
             return problem
     return None
+
+
+def _drain(config: AppConfig, timeout_s: float) -> None:
+    """Pause every LLMServer replica with PAUSED_NEW (nothing new is admitted; what was admitted
+    runs to its end), then wait until they (and the prefill replicas) are idle, at most
+    `timeout_s`; a second Ctrl-C or SIGTERM cuts the wait short. Requests still waiting for
+    admission are cut off by the shutdown."""
+    from ray import serve
+
+    from tokenflow.scheduler import PauseState
+
+    if timeout_s <= 0:
+        return
+    hurry = threading.Event()
+    _on_stop_signals(hurry)
+    deadline = time.monotonic() + timeout_s
+    try:
+        decode = serve.get_deployment_handle("LLMServer", app_name=APP_NAME)
+        decode.broadcast("pause", PauseState.PAUSED_NEW).results(timeout_s=CONTROL_TIMEOUT_S)
+        handles = [decode]
+        if config.prefill is not None:  # paused decode replicas send it nothing new
+            handles.append(serve.get_deployment_handle("PrefillServer", app_name=APP_NAME))
+        _say(f"draining: admitting nothing new, waiting up to {timeout_s:g} s for the requests "
+             "in progress (Ctrl-C again to stop at once) ...")
+        while not _all_idle(handles):
+            if hurry.wait(DRAIN_POLL_S) or time.monotonic() > deadline:
+                _say("drain cut short: stopping with requests in progress")
+                return
+    except Exception as exc:  # a replica that cannot answer must not keep us from stopping
+        _say(f"(could not drain: {type(exc).__name__}: {exc}); stopping now")
+        return
+    _say("drained")
+
+
+def _all_idle(handles: list[Any]) -> bool:
+    """Whether every replica of these deployments has nothing left that it may run."""
+    return all(status["idle"] for handle in handles
+               for status in handle.broadcast("pause_status").results(
+                   timeout_s=CONTROL_TIMEOUT_S))
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -218,10 +267,11 @@ def serve_main(args: argparse.Namespace) -> int:
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")
         return 2
-    return _run(config, started_ray)
+    return _run(config, started_ray, args.drain_timeout)
 
 
-def _run(config: AppConfig, started_ray: bool) -> int:
+def _run(config: AppConfig, started_ray: bool,
+         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
     import ray
     from ray import serve
 
@@ -247,6 +297,7 @@ def _run(config: AppConfig, started_ray: bool) -> int:
             cluster_alive = False  # nothing left to stop politely
             _say(f"error: {problem}; exiting")
             return 1
+        _drain(config, drain_timeout_s)
         _say("shutting down ...")
         return 0
     finally:

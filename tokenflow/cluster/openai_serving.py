@@ -13,6 +13,9 @@ replica validates against the model (prompt too long, ids outside the vocabulary
 stream event says `Accepted` or `Rejected`, so a client's mistake is a 400 before any byte of the
 response is sent. Leaving a stream early (the client disconnected) cancels the backend call,
 which aborts the engine requests and frees their KV blocks.
+
+The admin routes `POST /pause`, `POST /resume` and `GET /is_paused` (vLLM's) check the API key
+too and act on every replica of the backend; each answers with every replica's status.
 """
 
 from __future__ import annotations
@@ -46,11 +49,14 @@ from tokenflow.cluster.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PauseRequest,
+    PauseStatusResponse,
     TokenizeRequest,
     TokenizeResponse,
     parse_request,
 )
 from tokenflow.cluster.responses import ChatFormatter, CompletionFormatter, Formatter
+from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,6 +83,15 @@ class GenerationBackend(Protocol):
 
     async def check_health(self) -> None:
         """Raise if no engine can serve requests; must answer at once, whatever the load."""
+
+    async def pause(self, mode: PauseState) -> list[dict[str, Any]]:
+        """Pause every replica (`LLMServer.pause`); returns each one's `pause_status()`."""
+
+    async def resume(self) -> list[dict[str, Any]]:
+        """Resume every replica; returns each one's `pause_status()`."""
+
+    async def pause_status(self) -> list[dict[str, Any]]:
+        """Every replica's `pause_status()`."""
 
 
 class _LocalStream:
@@ -115,9 +130,26 @@ class LocalBackend:
     async def check_health(self) -> None:
         self._server.check_health()
 
+    async def pause(self, mode: PauseState) -> list[dict[str, Any]]:
+        return [await self._server.pause(mode)]
+
+    async def resume(self) -> list[dict[str, Any]]:
+        return [await self._server.resume()]
+
+    async def pause_status(self) -> list[dict[str, Any]]:
+        return [self._server.pause_status()]
+
 
 def _json(model: BaseModel, status_code: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code, media_type="application/json")
+
+
+async def _pause_args(request: Request) -> dict[str, Any] | bytes:
+    """`/pause`'s arguments: the query string's `mode` if given, else the body (may be empty)."""
+    if "mode" in request.query_params:
+        return {"mode": request.query_params["mode"]}
+    body = await request.body()
+    return body if body.strip() else {}
 
 
 async def _first_event(stream: GenerationStream) -> Accepted:
@@ -258,6 +290,25 @@ class OpenAIServing:
         text = await asyncio.to_thread(self._prompts.detokenize, req.tokens)
         return _json(DetokenizeResponse(prompt=text))
 
+    # ---------------------------------------------------------------------- admin routes
+    async def pause(self, request: Request) -> Response:
+        """`POST /pause`, the mode (`new`, the default, or `all`) as `?mode=` or as the JSON
+        body `{"mode": ...}`: pause every replica (`scheduler.PauseState`)."""
+        self._authorize(request)
+        req = parse_request(PauseRequest, await _pause_args(request))
+        statuses = await self._backend.pause(PauseState.from_mode(req.mode))
+        return _json(PauseStatusResponse.of(statuses))
+
+    async def resume(self, request: Request) -> Response:
+        """`POST /resume`: every replica schedules normally again."""
+        self._authorize(request)
+        return _json(PauseStatusResponse.of(await self._backend.resume()))
+
+    async def is_paused(self, request: Request) -> Response:
+        """`GET /is_paused`: whether every replica is paused, and whether all are idle."""
+        self._authorize(request)
+        return _json(PauseStatusResponse.of(await self._backend.pause_status()))
+
     # --------------------------------------------------------------------------- helpers
     async def _get_max_model_len(self) -> int:
         if self._max_model_len is None:
@@ -314,5 +365,17 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await serving.detokenize(request)
+
+    @app.post("/pause")
+    async def pause(request: Request) -> Response:
+        return await serving.pause(request)
+
+    @app.post("/resume")
+    async def resume(request: Request) -> Response:
+        return await serving.resume(request)
+
+    @app.get("/is_paused")
+    async def is_paused(request: Request) -> Response:
+        return await serving.is_paused(request)
 
     return app

@@ -658,6 +658,40 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PauseRequest(_Request):
+    """`POST /pause`: `new` admits nothing new and lets admitted requests finish (a drain);
+    `all` schedules nothing until `POST /resume` (`scheduler.PauseState`)."""
+
+    mode: Literal["new", "all"] = "new"
+
+
+class ReplicaPauseStatus(BaseModel):
+    """One LLMServer replica: its pause state, whether it is idle (nothing it may run is left)
+    and its running and waiting requests."""
+
+    replica: str | None = None
+    state: Literal["unpaused", "paused_new", "paused_all"]
+    idle: bool
+    running: int
+    waiting: int
+
+
+class PauseStatusResponse(BaseModel):
+    """`/pause`, `/resume` and `/is_paused`: every replica's status. `is_paused`: every replica
+    is paused (a replica Serve started since the pause is not); `idle`: none has work it may
+    do, so once paused with `new`, the deployment is drained."""
+
+    is_paused: bool
+    idle: bool
+    replicas: list[ReplicaPauseStatus]
+
+    @classmethod
+    def of(cls, replicas: list[dict[str, Any]]) -> PauseStatusResponse:
+        statuses = [ReplicaPauseStatus.model_validate(r) for r in replicas]
+        return cls(is_paused=bool(statuses) and all(r.state != "unpaused" for r in statuses),
+                   idle=all(r.idle for r in statuses), replicas=statuses)
+
+
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     """One server-sent event: `data: <json>` and a blank line. Unset (None) fields are left
     out, as OpenAI and vLLM stream them (`"role": null` would confuse clients)."""

@@ -6,6 +6,9 @@ async generator meant for a streaming handle (`handle.options(stream=True)`); th
 described in `cluster.messages`. Cancelling a stream (a client that went away) cancels the
 per-prompt tasks, which close their engine streams, which aborts the requests and frees their
 KV blocks.
+
+`pause`, `resume` and `pause_status` are the replica's side of the admin endpoints (`/pause`,
+`/resume`, `/is_paused`): the ingress broadcasts them to every replica of the deployment.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
 from tokenflow.replica.llm_engine import ProcessedRequest
 from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
-from tokenflow.scheduler import SamplingParams, TokenLogprobs
+from tokenflow.scheduler import PauseState, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 # Serve replaces a replica whose engine died (its check_health fails) within seconds.
@@ -81,6 +84,9 @@ class LLMServer:
         self._stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(config)
         self.metrics = ServerMetrics(self.engine.model_name)
+        # Set while unpaused: a paused decode replica sends no new prefills (see `pause`).
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         # Serve builds replicas on their event loop; outside one (a plain unit test) there is
         # simply no poller.
         try:
@@ -113,6 +119,7 @@ class LLMServer:
             return
         if self._prefill is not None and PrefillClient.wants(prompts, params,
                                                               kv_transfer_params):
+            await self._unpaused.wait()
             events = self._disaggregated(prompts[0], params, request_id, priority,
                                          received_time)
         else:
@@ -223,6 +230,29 @@ class LLMServer:
         return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "load_time_s": self.engine.load_time_s}
 
+    # ----------------------------------------------------------------------------- pausing
+    async def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> dict[str, Any]:
+        """Pause this replica's engine (see `PauseState`); returns `pause_status()`. With a
+        prefill deployment, new requests do not go to it either until `resume`: their prefill
+        would be admitted there, and its KV would wait for a decode engine that admits nothing.
+        The prefill replicas get nothing new from a paused decode replica and need no pause."""
+        self.engine.pause(mode)
+        self._unpaused.clear()
+        return self.pause_status()
+
+    async def resume(self) -> dict[str, Any]:
+        """Schedule normally again; requests that arrived meanwhile are admitted."""
+        self.engine.resume()
+        self._unpaused.set()
+        return self.pause_status()
+
+    def pause_status(self) -> dict[str, Any]:
+        """This replica's pause state, whether it is idle (nothing it may run is left: drained,
+        when paused with PAUSED_NEW) and its running and waiting requests."""
+        running, waiting = self.engine.request_counts
+        return {"replica": _replica_id(), "state": self.engine.pause_state.value,
+                "idle": self.engine.is_idle(), "running": running, "waiting": waiting}
+
     # ------------------------------------------------------------------- health and load
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
@@ -277,6 +307,16 @@ class LLMServer:
             engine.shutdown()
         if getattr(self, "_poller", None) is not None:
             self._poller.cancel()
+
+
+def _replica_id() -> str | None:
+    """This Serve replica's id, for status reports; None outside Serve (a test, in process)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not running in a Serve replica
+        return None
 
 
 def _logprob(lp: TokenLogprobs) -> TokenLogprob:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tokenflow.config import EngineConfig
 from tokenflow.replica.llm_engine import LLMEngine, ProcessedRequest
 from tokenflow.replica.output_processor import RequestOutput
-from tokenflow.scheduler import SamplingParams, SchedulerStats
+from tokenflow.scheduler import PauseState, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class AsyncEngine:
 
     Callers on any asyncio loop get `generate(...)`, an async iterator of `RequestOutput`
     deltas; closing or cancelling the iterator aborts the request and frees its blocks.
+    `pause`/`resume` reach the scheduler through the engine thread, in order with requests.
     """
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
@@ -42,6 +43,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = False
         self.error: BaseException | None = None
+        # What callers asked for last (the engine thread applies it before its next step).
+        self._pause_state = PauseState.UNPAUSED
+        # Whether the engine thread's latest turn found work a step could do.
+        self._has_work = False
         self._thread = threading.Thread(target=self._run, name="tokenflow-engine", daemon=True)
         self._thread.start()
 
@@ -80,6 +85,11 @@ class AsyncEngine:
     def kv_cache(self) -> tuple[int, int]:
         """(free blocks, total blocks) of the KV cache now."""
         return self.engine.kv_cache_blocks()
+
+    @property
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return self.engine.request_counts()
 
     @property
     def is_running(self) -> bool:
@@ -128,6 +138,33 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    # --------------------------------------------------------------------------- pausing
+    def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
+        """See `PauseState`. Applied before the engine's next step: requests sent after this
+        call are not admitted (PAUSED_NEW) or nothing is scheduled (PAUSED_ALL) until
+        `resume`; a step already under way completes."""
+        if mode is PauseState.UNPAUSED:
+            raise ValueError("pause needs PAUSED_NEW or PAUSED_ALL; resume() unpauses")
+        self._pause_state = mode
+        self._send(("pause", mode))
+
+    def resume(self) -> None:
+        self._pause_state = PauseState.UNPAUSED
+        self._send(("resume", None))
+
+    def is_paused(self) -> bool:
+        return self._pause_state is not PauseState.UNPAUSED
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def is_idle(self) -> bool:
+        """No step could make progress: nothing runs and nothing waits that may run (paused,
+        what the pause holds back does not count), with no command left to apply. Drained,
+        once paused with PAUSED_NEW."""
+        return not self._has_work and self._inbox.empty()
+
     def shutdown(self) -> None:
         self._stop = True
         self._wakeup.set()
@@ -143,7 +180,8 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                self._has_work = self.engine.has_work()
+                if not self._has_work:
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue
@@ -162,8 +200,12 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self.engine.add_processed(payload)
-            else:
+            elif kind == "abort":
                 self.engine.abort_request([payload])
+            elif kind == "pause":
+                self.engine.pause(payload)
+            else:
+                self.engine.resume()
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one per

@@ -14,6 +14,7 @@ from tokenflow.scheduler import (
     EngineCoreOutput,
     EngineCoreOutputs,
     ModelRunnerOutput,
+    PauseState,
     Request,
     RequestStatus,
     SchedulerOutput,
@@ -69,6 +70,30 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def has_work(self) -> bool:
+        """Whether `step()` can make progress now (what a pause holds back does not count)."""
+        return bool(self._in_flight) or self.scheduler.has_work()
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return self.scheduler.request_counts()
+
+    # --------------------------------------------------------------------------- pausing
+    def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
+        """Admit nothing new (PAUSED_NEW) or schedule nothing (PAUSED_ALL) from the next step
+        on; batches already in flight complete either way."""
+        self.scheduler.pause(mode)
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self.scheduler.pause_state
 
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a pipeline stage died)."""

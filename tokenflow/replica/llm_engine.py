@@ -12,7 +12,7 @@ from tokenflow.replica.engine import EngineCore
 from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
 from tokenflow.replica.structured_output import grammar_of
-from tokenflow.scheduler import Request, RequestStatus, SamplingParams, SchedulerStats
+from tokenflow.scheduler import PauseState, Request, RequestStatus, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,32 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    def has_work(self) -> bool:
+        """Whether `step()` can make progress now: unfinished requests, except those a pause
+        holds back."""
+        if self.core.is_paused():
+            return self.core.has_work()
+        return self.has_unfinished_requests()
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return self.core.request_counts()
+
+    # --------------------------------------------------------------------------- pausing
+    def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
+        """See `PauseState`; takes effect from the next step."""
+        self.core.pause(mode)
+
+    def resume(self) -> None:
+        self.core.resume()
+
+    def is_paused(self) -> bool:
+        return self.core.is_paused()
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self.core.pause_state
 
     # ----------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

@@ -2,6 +2,7 @@
 
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.factory import build_scheduler, import_scheduler_cls
+from tokenflow.scheduler.pause import PAUSE_MODES, PauseState
 from tokenflow.scheduler.queue import FCFSQueue, PriorityQueue, RequestQueue, create_request_queue
 from tokenflow.scheduler.request import Request, RequestStatus
 from tokenflow.scheduler.runner_output import ModelRunnerOutput, TokenLogprobs
@@ -10,8 +11,9 @@ from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, 
 from tokenflow.scheduler.scheduler import Scheduler
 
 __all__ = [
-    "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue", "ModelRunnerOutput",
-    "NewRequestData", "PriorityQueue", "RepetitionDetectionParams", "Request", "RequestQueue",
-    "RequestStatus", "SamplingParams", "Scheduler", "SchedulerOutput", "SchedulerStats",
-    "TokenLogprobs", "build_scheduler", "create_request_queue", "import_scheduler_cls",
+    "PAUSE_MODES", "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue",
+    "ModelRunnerOutput", "NewRequestData", "PauseState", "PriorityQueue",
+    "RepetitionDetectionParams", "Request", "RequestQueue", "RequestStatus", "SamplingParams",
+    "Scheduler", "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "build_scheduler",
+    "create_request_queue", "import_scheduler_cls",
 ]

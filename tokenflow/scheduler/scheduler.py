@@ -10,6 +10,7 @@ from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
 from tokenflow.kv.connector import create_scheduler_connector
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.queue import create_request_queue
 from tokenflow.scheduler.remote_kv import RemoteKV
 from tokenflow.scheduler.request import WAITING_FOR_SOMETHING, Request, RequestStatus
@@ -55,6 +56,7 @@ class Scheduler:
     `structured_outputs` (the engine's grammar manager) is needed for requests with a
     constraint on their output; they wait for their grammar in
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR without holding up the queue.
+    `pause` holds back admission (PAUSED_NEW) or all scheduling (PAUSED_ALL): `PauseState`.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._pending_outputs: list[EngineCoreOutput] = []
         self._stats = SchedulerStats()
+        self._pause_state = PauseState.UNPAUSED
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -178,6 +181,22 @@ class Scheduler:
         return (bool(self.requests) or bool(self._pending_outputs)
                 or (self.remote is not None and self.remote.has_pending()))
 
+    def has_work(self) -> bool:
+        """Whether a step can make progress now. Unlike `has_unfinished_requests`, requests that
+        a pause holds back do not count, so an engine loop sleeps instead of spinning on them."""
+        state = self._pause_state
+        if state is PauseState.UNPAUSED:
+            return self.has_unfinished_requests()
+        if self._pending_outputs or self.has_pending_transfers():
+            return True
+        if state is PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running) or any(not self._is_new(r) for r in self.waiting)
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return len(self.running), len(self.waiting)
+
     def has_pending_transfers(self) -> bool:
         """KV loads or held blocks the workers must keep reporting on."""
         return self.remote is not None and self.remote.has_pending()
@@ -185,6 +204,28 @@ class Scheduler:
     def kv_cache_blocks(self) -> tuple[int, int]:
         """(free blocks, total blocks) of the KV cache now."""
         return self.kv.num_free_blocks, self.kv.num_blocks
+
+    # --------------------------------------------------------------------------- pausing
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def pause(self, state: PauseState = PauseState.PAUSED_NEW) -> None:
+        """Hold back admission (PAUSED_NEW) or all scheduling (PAUSED_ALL) from the next
+        `schedule()` on; another pause replaces the state, `resume` ends it."""
+        if state is PauseState.UNPAUSED:
+            raise ValueError("pause needs PAUSED_NEW or PAUSED_ALL; resume() unpauses")
+        self._pause_state = state
+
+    def resume(self) -> None:
+        """Schedule by the normal rule again; requests that arrived meanwhile are admitted."""
+        self._pause_state = PauseState.UNPAUSED
+
+    def _is_new(self, request: Request) -> bool:
+        """Never admitted: what PAUSED_NEW holds back. A preempted request ran before; one that
+        holds blocks (its prompt KV loaded, or loading, from another engine) was admitted."""
+        return (request.status != RequestStatus.PREEMPTED
+                and not self.kv.num_blocks_held(request.request_id))
 
     # ------------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -198,13 +239,18 @@ class Scheduler:
         for a running request, the policy's victim is preempted (recompute from scratch) until
         one fits. Only if nothing was preempted are waiting requests then admitted, in policy
         order, with their prefix-cache hits counted as computed, while the budget and
-        `max_num_seqs` allow. Decode, prefill chunks and speculative tokens are all the
+        `max_num_active_seqs` allow. Decode, prefill chunks and speculative tokens are all the
         same thing here: tokens not yet computed.
+
+        Paused, the step has no budget at all (PAUSED_ALL: it still tells the workers of
+        finished requests), or admits only requests that were admitted before (PAUSED_NEW).
         """
         if self.remote is not None:
             for request in self.remote.before_schedule():
                 self.kv.free(request)  # held for a consumer, or aborted mid-load: now free
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        budget = (0 if self._pause_state is PauseState.PAUSED_ALL
+                  else self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -212,7 +258,7 @@ class Scheduler:
             scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=plan.cached,
             num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.budget,
+            total_num_scheduled_tokens=budget - plan.budget,
             scheduled_spec_decode_tokens=plan.spec,
             preempted_req_ids=plan.preempted,
             finished_req_ids=self.finished_req_ids,
@@ -327,11 +373,12 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
-        max_num_seqs = self.config.max_num_seqs
+        max_running = self.config.active_seqs_limit
+        paused_new = self._pause_state is PauseState.PAUSED_NEW
         # After a failed admission only requests that already hold their blocks may pass (a
         # loaded request must not wait behind one that cannot get blocks: that deadlocks).
         blocked = False
-        while self.waiting and plan.budget > 0 and len(self.running) < max_num_seqs:
+        while self.waiting and plan.budget > 0 and len(self.running) < max_running:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
                 try:
@@ -341,7 +388,8 @@ class Scheduler:
                     self._fail_waiting(self.waiting.pop(), str(exc))
                     continue
             if request.status in WAITING_FOR_SOMETHING or (
-                    blocked and not self.kv.num_blocks_held(request.request_id)):
+                    blocked and not self.kv.num_blocks_held(request.request_id)) or (
+                    paused_new and self._is_new(request)):
                 skipped.append(self.waiting.pop())  # keeps its place: put back below
                 continue
             outcome = self._admit(request, plan)
