@@ -143,13 +143,16 @@ class DriverResult:
     stderr: str
 
     def json(self) -> Any:
-        """The last non-empty stdout line, parsed as JSON (drivers print their result last)."""
-        lines = [line for line in self.stdout.splitlines() if line.strip()]
-        try:
-            return json.loads(lines[-1])
-        except (IndexError, json.JSONDecodeError):
-            raise ValueError(f"the driver's last line is not JSON\n--- stdout\n"
-                             f"{self.stdout[-TAIL:]}\n--- stderr\n{self.stderr[-TAIL:]}") from None
+        """The last stdout line that is a JSON object (drivers print their result last; Ray
+        may still print its workers' log lines after it)."""
+        for line in reversed(self.stdout.splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        raise ValueError(f"the driver printed no JSON object\n--- stdout\n"
+                         f"{self.stdout[-TAIL:]}\n--- stderr\n{self.stderr[-TAIL:]}")
 
 
 def _tail(path: Path) -> str:

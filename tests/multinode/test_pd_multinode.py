@@ -16,8 +16,12 @@ from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.multinode
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):",
-           "Once upon a time there was"]
+# Several full KV blocks each (block size 16, ~50 tokens), so every prompt's KV crosses the link.
+_STORY = ("the old mill stood by the river where the children watched the wheel turn from "
+          "morning until evening and the water ran quietly")
+PROMPTS = [f"{start} {_STORY}" for start in (
+    "Hello, my name is", "The capital of France is", "def fibonacci(n):",
+    "Once upon a time there was")]
 NUM_NEW = 10
 DRIVER = """
 import json, os, httpx, ray
@@ -67,6 +71,6 @@ def test_prefill_and_decode_on_two_nodes(netns_cluster: NamespaceCluster) -> Non
         assert result["where"] == {"decode": netns_cluster.node("w2").ip,
                                    "prefill": netns_cluster.node("w1").ip}, connector
         stats = result["stats"]
-        assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, (
-            connector, stats)
-        assert stats["prefill_fallbacks"] == 0, (connector, stats)
+        shown = f"{connector}: {json.dumps(stats)}"
+        assert stats["prefill_fallbacks"] == 0, shown
+        assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, shown
