@@ -50,7 +50,9 @@ What it guarantees
   written here).
 - Nodes and drivers get the test process's environment without any `RAY_*` variable: in
   particular not `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which tests/cluster sets for its
-  loopback-only cluster and which makes Ray refuse to join nodes.
+  loopback-only cluster and which makes Ray refuse to join nodes. Nor `GLOO_SOCKET_IFNAME`
+  (and NCCL's): an earlier in-process KV transfer sets it to `lo`, and a node that inherits it
+  binds gloo to its namespace's loopback, where the other nodes cannot reach it.
 - Teardown always runs (on exceptions and Ctrl-C by `__exit__`; on SIGKILL of the test process
   by a watchdog process that waits for its stdin to close): it kills exactly the processes in
   the run's namespaces, deletes the namespaces (taking the veths and bridge with them) and the
@@ -162,9 +164,17 @@ def _tail(path: Path) -> str:
         return f"(no log: {e})"
 
 
+# Per-host settings the test process may have picked up (tokenflow's gloo users set
+# GLOO_SOCKET_IFNAME to the interface of the address they bind, "lo" on the loopback cluster of
+# tests/cluster); inherited, they would bind a namespace node's gloo to its own loopback.
+_HOST_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+
+
 def _clean_env() -> dict[str, str]:
-    """The test process's environment minus every RAY_* variable, with the repo on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    """The test process's environment minus every RAY_* variable and the per-host network
+    interface settings, with the repo on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in _HOST_VARIABLES}
     paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                 if p and p != str(REPO_ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths)
