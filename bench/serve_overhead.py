@@ -1,35 +1,86 @@
-"""Overhead of the HTTP + Ray Serve path: the same trace against `tokenflow serve` and against
-the in-process `AsyncEngine`, in one process, with the same engine config.
+"""Overhead of each serving mode: one trace against the in-process `AsyncEngine` and against
+`tokenflow serve` in every serving mode, side by side in one run, at several concurrencies. The in-process engine runs first and
+last; each served mode is compared with the faster of those two runs.
 
-Prints both result tables, then one line with the throughput loss and the added median TTFT
-of the served path; writes the result JSON only where `--out` says.
+Each served mode is a fresh `tokenflow serve` process (its own Ray cluster, set up for the
+mode) with the engine config of `--config`, the model replaced by `--model`; the client is
+this process, the same one that runs the in-process engine. Reported per mode and
+concurrency: output throughput, TTFT p50/p99, ITL p50/p99, the loss against the in-process
+engine, and the CPU seconds each process of the server spent during the measured run. Writes
+JSON only where `--out` says; `--profile MODE` records a py-spy profile of that mode's Python
+server processes at the highest concurrency and prints where their time goes.
 
-    python bench/serve_overhead.py --config configs/local.yaml --num-prompts 200 \
-        --max-concurrency 32 --input-len 128 --output-len 64
+    python bench/serve_overhead.py                                   # every mode, c 1 8 32
+    python bench/serve_overhead.py --modes proxy_ingress haproxy --concurrency 32 \
+        --profile proxy_ingress
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import os
+import re
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil  # noqa: E402
+import yaml  # noqa: E402
+
 from bench.datasets import BenchRequest, random_requests  # noqa: E402
-from bench.serve import BenchmarkResult, http_send_fn, run_benchmark  # noqa: E402
-from tokenflow.cluster.launcher import loopback_only  # noqa: E402
+from bench.serve import http_send_fn, run_benchmark  # noqa: E402
 from tokenflow.config import AppConfig, load_app_config  # noqa: E402
 from tokenflow.replica.async_engine import AsyncEngine  # noqa: E402
 from tokenflow.scheduler import SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# py-spy installs a binary next to the interpreter (the dev extra); else whatever PATH has.
+PY_SPY = (str(Path(sys.executable).parent / "py-spy")
+          if (Path(sys.executable).parent / "py-spy").exists() else "py-spy")
+
+
+@dataclass(frozen=True)
+class ServedMode:
+    """One served configuration: a serving mode, and the stream interval (chunk coalescing)."""
+
+    label: str
+    serving_mode: str
+    stream_interval_s: float = 0.0
+
+
+MODES = {m.label: m for m in (
+    ServedMode("proxy_ingress", "proxy_ingress"),
+    ServedMode("proxy_ingress_grpc", "proxy_ingress_grpc"),
+    ServedMode("proxy", "proxy"),
+    ServedMode("haproxy", "haproxy"),
+    ServedMode("haproxy_coalesce50ms", "haproxy", 0.05),
+)}
+
+# What each server process is, from its command line (the first pattern that matches).
+ROLES = (
+    ("LLMServer replica", r"ServeReplica:[^:]+:LLMServer"),
+    ("OpenAIIngress replica", r"ServeReplica:[^:]+:OpenAIIngress"),
+    ("ReplicaRouter replica", r"ServeReplica:[^:]+:ReplicaRouter"),
+    ("Serve proxy", r"ProxyActor"),
+    ("Serve controller", r"ServeController"),
+    ("HAProxy", r"haproxy"),
+    ("tokenflow serve (driver)", r"tokenflow serve"),
+)
 
 
 class EngineSender:
@@ -51,82 +102,277 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def run_served(config: AppConfig, requests: list[BenchRequest], args) -> BenchmarkResult:
-    import ray
-    from ray import serve
-
-    from tokenflow.cluster.app import bind_app
-
-    port = free_port()
-    ray.init(include_dashboard=False, log_to_driver=False)
+def role_of(proc: psutil.Process) -> str:
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(bind_app(config), name="bench", route_prefix="/")
-        async with http_send_fn(f"http://127.0.0.1:{port}", "completions",
-                                config.engine.model.name) as send:
-            await run_benchmark(send, requests[: args.max_concurrency], math.inf,
-                                args.max_concurrency, args.seed, progress=False)  # warm-up
-            return await run_benchmark(send, requests, args.request_rate,
-                                       args.max_concurrency, args.seed)
+        cmd = " ".join(proc.cmdline()) or proc.name()
+    except psutil.Error:
+        return "gone"
+    for role, pattern in ROLES:
+        if re.search(pattern, cmd):
+            return role
+    return "Ray core and workers"
+
+
+def cpu_by_process(root: psutil.Process) -> dict[int, tuple[str, float]]:
+    """pid -> (role, user+system CPU seconds so far) for `root` and all its descendants."""
+    out = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = (role_of(proc), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+              ) -> dict[str, float]:
+    spent: dict[str, float] = collections.defaultdict(float)
+    for pid, (role, seconds) in after.items():
+        spent[role] += seconds - before.get(pid, (role, 0.0))[1]
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
+
+
+class Server:
+    """`tokenflow serve` in a subprocess (its own Ray cluster), stopped with SIGINT."""
+
+    def __init__(self, config: dict[str, Any], log: Path) -> None:
+        self.port = free_port()
+        fd, self._config_path = tempfile.mkstemp(suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump({**config, "port": self.port}, f)
+        self._log = log.open("w")  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "RAY_SERVE_LOG_TO_STDERR": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenflow.cli", "serve", "--config", self._config_path,
+             "--metrics-port", str(free_port()), "--no-dashboard"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tokenflow serve exited ({self.proc.returncode}); see "
+                                   f"{self._log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"tokenflow serve not ready in {timeout_s} s; see {self._log.name}")
+
+    def python_pids(self) -> list[int]:
+        """The Python processes that serve HTTP or run the engine (for py-spy)."""
+        root = psutil.Process(self.proc.pid)
+        keep = ("LLMServer replica", "OpenAIIngress replica", "ReplicaRouter replica",
+                "Serve proxy")
+        return [p.pid for p in root.children(recursive=True) if role_of(p) in keep]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: only what we began
+                self.proc.wait()
+        self._log.close()
+        os.unlink(self._config_path)
+
+
+def requests_for(concurrency: int, args: argparse.Namespace) -> list[BenchRequest]:
+    n = max(args.min_prompts, args.prompts_per_slot * concurrency)
+    return random_requests(n, args.input_len, args.output_len, args.seed)
+
+
+async def warm_up(send: Any, c: int, args: argparse.Namespace) -> None:
+    """Enough requests to touch every code path (connections, tokenizer, allocator) first."""
+    requests = random_requests(max(c, args.warmup), args.input_len, args.output_len,
+                               args.seed + 1)
+    await run_benchmark(send, requests, math.inf, c, args.seed, progress=False)
+
+
+async def measure_served(mode: ServedMode, base_config: dict[str, Any],
+                         args: argparse.Namespace, log_dir: Path) -> dict[int, dict[str, Any]]:
+    config = {**base_config, "serving_mode": mode.serving_mode,
+              "stream_interval_s": mode.stream_interval_s}
+    server = Server(config, log_dir / f"{mode.label}.log")
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        server.wait_ready()
+        root = psutil.Process(server.proc.pid)
+        async with http_send_fn(server.url, "completions", args.model) as send:
+            for c in args.concurrency:
+                requests = requests_for(c, args)
+                await warm_up(send, c, args)
+                profile = (start_profile(server, args, mode.label, c)
+                           if args.profile == mode.label and c == max(args.concurrency)
+                           else None)
+                before = cpu_by_process(root)
+                t0 = time.process_time()
+                result = await run_benchmark(send, requests, math.inf, c, args.seed,
+                                             progress=False)
+                client_cpu = time.process_time() - t0
+                cpu = cpu_spent(before, cpu_by_process(root))
+                cpu["bench client (this process)"] = client_cpu
+                if profile is not None:
+                    finish_profile(profile)
+                results[c] = {"result": result.to_dict(per_request=False), "cpu_s": cpu}
+                print(f"  {mode.label:<22} c={c:<3} {result.summary_line()}", flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        server.stop()
+    return results
 
 
-async def run_inprocess(config: AppConfig, requests: list[BenchRequest], args
-                        ) -> BenchmarkResult:
+async def measure_inprocess(config: AppConfig, args: argparse.Namespace
+                            ) -> dict[int, dict[str, Any]]:
     engine = AsyncEngine(config.engine)
+    results: dict[int, dict[str, Any]] = {}
     try:
         send = EngineSender(engine)
-        await run_benchmark(send, requests[: args.max_concurrency], math.inf,
-                            args.max_concurrency, args.seed, progress=False)  # warm-up
-        return await run_benchmark(send, requests, args.request_rate, args.max_concurrency,
-                                   args.seed)
+        for c in args.concurrency:
+            requests = requests_for(c, args)
+            await warm_up(send, c, args)
+            t0 = time.process_time()
+            result = await run_benchmark(send, requests, math.inf, c, args.seed,
+                                         progress=False)
+            results[c] = {"result": result.to_dict(per_request=False),
+                          "cpu_s": {"engine and client (this process)":
+                                    time.process_time() - t0}}
+            print(f"  {'in-process':<22} c={c:<3} {result.summary_line()}", flush=True)
     finally:
         engine.shutdown()
+    return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+# ------------------------------------------------------------------------------ profiling
+@dataclass
+class Profile:
+    label: str
+    procs: list[tuple[int, subprocess.Popen, Path]]
+    out_dir: Path
+
+
+def start_profile(server: Server, args: argparse.Namespace, label: str, c: int) -> Profile:
+    out_dir = Path(args.profile_out or tempfile.mkdtemp(prefix="serve-profile-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for pid in server.python_pids():
+        raw = out_dir / f"{label}-c{c}-{pid}.txt"
+        procs.append((pid, subprocess.Popen(
+            [PY_SPY, "record", "--pid", str(pid), "--rate", "100", "--format", "raw",
+             "--nonblocking", "-o", str(raw), "--duration", str(args.profile_s)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), raw))
+    return Profile(label, procs, out_dir)
+
+
+def finish_profile(profile: Profile) -> None:
+    """Print, per process, the share of samples by the outermost frame of interest and the
+    hottest leaf functions."""
+    print(f"\npy-spy profile of {profile.label} (raw stacks in {profile.out_dir}):")
+    for pid, proc, raw in profile.procs:
+        proc.wait()
+        if not raw.exists():
+            print(f"  pid {pid}: no profile (py-spy needs ptrace rights)")
+            continue
+        print(summarize_stacks(pid, raw.read_text()))
+
+
+def summarize_stacks(pid: int, collapsed: str, top: int = 12) -> str:
+    leaves: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[frames[0]] += n
+        leaves[_frame(frames[-1])] += n
+    if not total:
+        return f"  pid {pid}: no samples"
+    role = role_of(psutil.Process(pid)) if psutil.pid_exists(pid) else f"pid {pid}"
+    lines = [f"  {role} (pid {pid}), {total} samples; by thread: " + ", ".join(
+        f"{t} {100 * n / total:.0f}%" for t, n in threads.most_common(4))]
+    lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in leaves.most_common(top)]
+    return "\n".join(lines)
+
+
+def _frame(frame: str) -> str:
+    # "function (file.py:line)" -> "function (file.py)": group a function's lines together
+    return re.sub(r":\d+\)$", ")", frame.replace(str(ROOT) + "/", ""))
+
+
+# ---------------------------------------------------------------------------------- report
+def report(results: dict[str, dict[int, dict[str, Any]]], concurrencies: list[int]) -> str:
+    head = (f"{'mode':<22}{'c':>4}{'tok/s':>9}{'loss':>8}{'TTFT p50':>10}{'p99':>8}"
+            f"{'+TTFT p50':>11}{'ITL p50':>9}{'p99':>8}   CPU s by process")
+    lines = [head, "-" * len(head)]
+    for c in concurrencies:
+        ref = max((results[k][c]["result"] for k in ("in-process", "in-process (again)")),
+                  key=lambda r: r["output_throughput"])
+        for label, per_c in results.items():
+            r, cpu = per_c[c]["result"], per_c[c]["cpu_s"]
+            loss = 1 - r["output_throughput"] / ref["output_throughput"]
+            added = r["ttft_ms"]["p50"] - ref["ttft_ms"]["p50"]
+            cpu_text = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if v >= 0.05)
+            lines.append(f"{label:<22}{c:>4}{r['output_throughput']:>9.1f}{100 * loss:>7.1f}%"
+                         f"{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>8.1f}"
+                         f"{added:>+11.1f}{r['itl_ms']['p50']:>9.1f}{r['itl_ms']['p99']:>8.1f}"
+                         f"   {cpu_text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/local.yaml")
     p.add_argument("--model", default="tokenflow-tiny",
-                   help="engine.model.model for both runs (default tokenflow-tiny: this measures "
-                        "the serving path, not the model)")
-    p.add_argument("--num-prompts", type=int, default=200)
+                   help="engine.model.model for every run (default tokenflow-tiny: this "
+                        "measures the serving path, not the model)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--prompts-per-slot", type=int, default=6,
+                   help="requests per run = this x concurrency (at least --min-prompts)")
+    p.add_argument("--min-prompts", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=16, help="warm-up requests before each run")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=math.inf)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="engine.model.num_threads for both runs (default: the config's)")
-    p.add_argument("--stream-interval", type=float, default=None,
-                   help="stream_interval_s of the served app (default: the config's)")
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="engine.model.num_threads everywhere (default 1: on 2 cores torch's "
+                        "second thread only contends with the HTTP side)")
+    p.add_argument("--profile", choices=list(MODES),
+                   help="py-spy the Python server processes of this mode at the highest "
+                        "concurrency")
+    p.add_argument("--profile-s", type=int, default=8, help="seconds of profile")
+    p.add_argument("--profile-out", help="directory for the raw py-spy stacks")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
-    loopback_only()
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
-    data = load_app_config(args.config).model_dump()
-    data["engine"]["model"]["model"] = args.model
-    if args.num_threads is not None:
-        data["engine"]["model"]["num_threads"] = args.num_threads
-    if args.stream_interval is not None:
-        data["stream_interval_s"] = args.stream_interval
+    args.concurrency = sorted(set(args.concurrency))
+    data = load_app_config(args.config).model_dump(mode="json", exclude_unset=True)
+    data.setdefault("engine", {}).setdefault("model", {})["model"] = args.model
+    data["engine"]["model"]["num_threads"] = args.num_threads
     config = load_app_config(data)
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.seed)
-    served = asyncio.run(run_served(config, requests, args))
-    inproc = asyncio.run(run_inprocess(config, requests, args))
-    print("served (HTTP + Serve):\n" + served.table())
-    print("in-process AsyncEngine:\n" + inproc.table())
-    s, i = served.to_dict(per_request=False), inproc.to_dict(per_request=False)
-    loss = 1 - s["output_throughput"] / i["output_throughput"]
-    added_ttft_ms = s["ttft_ms"]["p50"] - i["ttft_ms"]["p50"]
-    print(f"serve overhead @ concurrency {args.max_concurrency}: throughput "
-          f"{s['output_throughput']:.1f} vs {i['output_throughput']:.1f} tok/s "
-          f"({100 * loss:+.1f}% loss), median TTFT {s['ttft_ms']['p50']:.1f} vs "
-          f"{i['ttft_ms']['p50']:.1f} ms ({added_ttft_ms:+.1f} ms)")
-    record = {"config": vars(args), "served": s, "inprocess": i,
-              "throughput_loss": loss, "added_median_ttft_ms": added_ttft_ms}
+    log_dir = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
+    print(f"server logs in {log_dir}", flush=True)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    # The in-process engine runs first and last: this machine's speed drifts over minutes, and
+    # each served mode is compared with the faster of the two (the stricter comparison).
+    results["in-process"] = asyncio.run(measure_inprocess(config, args))
+    for label in args.modes:
+        results[label] = asyncio.run(measure_served(MODES[label], data, args, log_dir))
+    results["in-process (again)"] = asyncio.run(measure_inprocess(config, args))
+    print()
+    print(report(results, args.concurrency))
+    record = {"config": vars(args), "results": {k: {str(c): v for c, v in per_c.items()}
+                                                for k, per_c in results.items()}}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return record

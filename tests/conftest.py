@@ -7,15 +7,21 @@ the session; every test that needs Ray in this process shares it (Ray allows one
 from __future__ import annotations
 
 import os
-
-# Before anything imports ray: a single-node cluster on loopback addresses only.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+# Before anything imports ray: a single-node cluster on loopback addresses only, set up for
+# the default serving mode (Serve reads its switches when first imported, in this process
+# and in every process of the cluster), so the serving tests run in the mode users get.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from tokenflow.cluster.serving_mode import apply_cluster_env  # noqa: E402
+from tokenflow.config import AppConfig  # noqa: E402
+
+DEFAULT_SERVING_MODE = AppConfig().serving_mode
+apply_cluster_env(DEFAULT_SERVING_MODE)
 
 
 def free_port() -> int:

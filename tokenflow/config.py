@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tokenflow.cluster.serving_mode import ServingMode
+
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -257,6 +259,9 @@ class AppConfig(_Frozen):
     deployment: DeploymentConfig = DeploymentConfig()
     prefill: PrefillConfig | None = None
     api_key: str | None = None
+    # How HTTP reaches the replicas (`cluster.serving_mode`): a property of the Ray cluster
+    # too, which `tokenflow serve` sets up and a cluster started otherwise must match.
+    serving_mode: ServingMode = ServingMode.HAPROXY
     # Streams send the first token at once, then at most one chunk per interval (0: each step).
     stream_interval_s: float = Field(default=0.0, ge=0)
     host: str = "127.0.0.1"
@@ -308,3 +313,34 @@ def load_app_config(source: str | Path | dict[str, Any] | None) -> AppConfig:
         return AppConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, name)) from None
+
+
+# Flat overrides accepted next to a config: name -> path in the AppConfig.
+FLAT_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "model": ("engine", "model", "model"),
+    "api_key": ("api_key",),
+}
+
+
+def app_config_from_args(args: dict[str, Any] | None) -> AppConfig:
+    """Validate Serve-style `args` into an AppConfig; errors name the bad field's path."""
+    args = dict(args or {})
+    overrides = {k: args.pop(k) for k in list(args) if k in FLAT_OVERRIDES}
+    path = args.pop("config", None)
+    if path is not None and args:
+        raise ConfigError(f"give either 'config' or an inline config, not both "
+                          f"(also got: {', '.join(sorted(args))})")
+    config = load_app_config(path if path is not None else args)
+    if not overrides:
+        return config
+    data = config.model_dump(exclude_unset=True)
+    for key, value in overrides.items():
+        if value is not None:
+            _set_path(data, FLAT_OVERRIDES[key], value)
+    return load_app_config(data)
+
+
+def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        data = data.setdefault(key, {})
+    data[path[-1]] = value

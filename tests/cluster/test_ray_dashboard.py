@@ -134,7 +134,9 @@ def test_dashboard_serve_api_shows_the_app_running(served: Served) -> None:
     app = r.json()["applications"]["tokenflow"]
     assert app["status"] == "RUNNING"
     deployments = app["deployments"]
-    assert set(deployments) == {"OpenAIIngress", "LLMServer"}
+    # The default serving mode (haproxy): the LLMServer is its own ingress, and the ingress
+    # request router picks its replica for HAProxy.
+    assert set(deployments) == {"LLMServer", "ReplicaRouter"}
     for name, deployment in deployments.items():
         assert deployment["status"] == "HEALTHY", (name, deployment)
         assert [r["state"] for r in deployment["replicas"]] == ["RUNNING"], name

@@ -37,6 +37,9 @@ def test_health_and_stats_answer_while_the_engine_is_saturated(main_app: App) ->
 
         tasks = [asyncio.create_task(one()) for _ in range(160)]
         while (await main_app.server.stats.remote())["waiting"] == 0:
+            if all(t.done() for t in tasks):  # they failed (or ran) without ever queueing
+                await asyncio.gather(*tasks)
+                raise AssertionError("no request ever waited in the engine")
             await asyncio.sleep(0.05)
         async with httpx.AsyncClient(timeout=30) as http:
             health = await http.get(main_app.base_url + "/health")
@@ -83,12 +86,22 @@ def _replica_actor(app_name: str) -> Any:
     return ray.get_actor(entry["name"], namespace=entry["namespace"])
 
 
-def test_a_dead_replica_is_a_503_to_retry_and_serve_replaces_it(small_app: App) -> None:
+def test_a_dead_replica_fails_its_request_and_serve_replaces_it(small_app: App) -> None:
+    """In the default mode (haproxy) nothing stands between the client and the replica
+    process, so when it dies the request in flight loses its connection, without a response
+    (as the README says); Serve then brings up a new replica and the same request succeeds.
+    (The separate-ingress modes answer with an OpenAI 503 instead: test_serving_modes.py.)"""
     url = small_app.base_url + "/v1/completions"
     body = {"model": MODEL, "prompt": "once", "max_tokens": 600, "ignore_eos": True}
-    result: dict[str, httpx.Response] = {}
-    request = threading.Thread(target=lambda: result.setdefault(
-        "r", httpx.post(url, json=body, headers=auth(small_app), timeout=120)))
+    result: dict[str, httpx.Response | httpx.HTTPError] = {}
+
+    def send() -> None:
+        try:
+            result["r"] = httpx.post(url, json=body, headers=auth(small_app), timeout=120)
+        except httpx.HTTPError as exc:
+            result["r"] = exc
+
+    request = threading.Thread(target=send)
     request.start()
     deadline = time.monotonic() + 60
     while small_app.server.stats.remote().result()["running"] == 0:
@@ -96,17 +109,16 @@ def test_a_dead_replica_is_a_503_to_retry_and_serve_replaces_it(small_app: App) 
         time.sleep(0.02)
     ray.kill(_replica_actor(SMALL_APP), no_restart=True)
     request.join(timeout=120)
-    resp = result["r"]
-    assert resp.status_code == 503, resp.text
-    assert int(resp.headers["retry-after"]) > 0
-    assert resp.json()["error"]["type"] == "service_unavailable_error"
-    # Serve brings a new replica up; the same request then succeeds.
+    outcome = result["r"]
+    assert isinstance(outcome, httpx.RemoteProtocolError), outcome
+    # Serve brings a new replica up; the same request then succeeds. Meanwhile HAProxy
+    # answers by itself (its router has no replica to name, or the old one's port is gone).
     deadline = time.monotonic() + 180
     while True:
         retry = httpx.post(url, json={**body, "max_tokens": 4}, headers=auth(small_app),
                            timeout=60)
         if retry.status_code == 200:
             break
-        assert retry.status_code == 503 and time.monotonic() < deadline, retry.text
+        assert retry.status_code in (500, 503) and time.monotonic() < deadline, retry.text
         time.sleep(1)
     assert retry.json()["usage"]["completion_tokens"] == 4

@@ -35,6 +35,7 @@ from tokenflow.cluster.app import app_config_from_args, server_options
 from tokenflow.cluster.chart_schema import to_json, values_schema
 from tokenflow.cluster.dashboards import dashboards
 from tokenflow.cluster.dashboards import to_json as dashboard_json
+from tokenflow.cluster.serving_mode import TUNING, ServingMode, switches
 from tokenflow.config import AppConfig
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -144,14 +145,34 @@ def test_model_volume_is_mounted_read_only_in_every_pod() -> None:
         assert mount == {"name": "models", "mountPath": "/ckpt", "readOnly": True}
 
 
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def _serving_env(mode: ServingMode) -> dict[str, str]:
+    """What every pod must have for `mode`: Serve's tuning defaults and the mode's switches."""
+    return {**TUNING, **switches(mode)}
+
+
 def test_dashboard_env_is_set_only_when_given() -> None:
     head = _pod_templates(_service(render()))[0]["spec"]["containers"][0]
-    assert "env" not in head
+    assert not {"RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST"} & set(_env(head))
     docs = render({"rayDashboard": {"prometheusHost": "http://prometheus:9090",
                                     "grafanaHost": "http://grafana:80"}})
     head = _pod_templates(_service(docs))[0]["spec"]["containers"][0]
-    assert {e["name"]: e["value"] for e in head["env"]} == {
-        "RAY_PROMETHEUS_HOST": "http://prometheus:9090", "RAY_GRAFANA_HOST": "http://grafana:80"}
+    assert _env(head) == {**_serving_env(AppConfig().serving_mode),
+                          "RAY_PROMETHEUS_HOST": "http://prometheus:9090",
+                          "RAY_GRAFANA_HOST": "http://grafana:80"}
+
+
+@pytest.mark.parametrize("mode", [None, *ServingMode])
+def test_every_pod_gets_the_serving_modes_switches(mode: ServingMode | None) -> None:
+    """Unset, the chart's mode is AppConfig's default; each mode's pods get what
+    `tokenflow serve` sets for it."""
+    values = {} if mode is None else {"tokenflow": {"serving_mode": mode.value}}
+    expected = _serving_env(mode or AppConfig().serving_mode)
+    for template in _pod_templates(_service(render(values))):
+        assert _env(template["spec"]["containers"][0]) == expected
 
 
 # ------------------------------------------------------------------- mistakes, as users see

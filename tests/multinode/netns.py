@@ -92,6 +92,8 @@ from types import TracebackType
 from typing import Any
 
 from tests.multinode import network
+from tokenflow.cluster.serving_mode import cluster_env
+from tokenflow.config import AppConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -210,6 +212,7 @@ class NamespaceCluster:
         self.extra_resources = resources or {}
         self.start_timeout_s = start_timeout_s
         self.run_dir: Path | None = None
+        self._serving_env: dict[str, str] | None = None
         self._inits: dict[str, subprocess.Popen[bytes]] = {}  # node name -> its nodeinit
         self._status_fds: dict[str, int] = {}  # node name -> pipe of its `ray start` status
         self._watchdog: subprocess.Popen[bytes] | None = None
@@ -245,9 +248,12 @@ class NamespaceCluster:
         return self.network.netns_names
 
     def env(self) -> dict[str, str]:
-        """The environment of every node and driver: clean of RAY_*, token auth on."""
+        """The environment of every node and driver: clean of RAY_*, token auth on, Serve set
+        up for the default serving mode (with this cluster's own HAProxy files)."""
         assert self.run_dir is not None, "the cluster is not started"
-        return _clean_env() | {
+        if self._serving_env is None:
+            self._serving_env = cluster_env(AppConfig().serving_mode)
+        return _clean_env() | self._serving_env | {
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.run_dir / "auth_token"),
             "RAY_USAGE_STATS_ENABLED": "0",

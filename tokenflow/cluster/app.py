@@ -1,4 +1,5 @@
-"""`build_app(args)`: one `AppConfig` -> one Serve application (OpenAIIngress -> LLMServer).
+"""`build_app(args)`: one `AppConfig` -> one Serve application (see `serving_mode` for its
+shape: OpenAIIngress -> LLMServer, or the LLMServer as its own ingress).
 
 The same entry point serves `tokenflow serve`, Ray's own `serve run` / `serve deploy` (an
 `applications:` entry with `import_path: tokenflow.cluster.app:build_app` and `args`), and
@@ -20,41 +21,21 @@ from ray import serve
 
 from tokenflow.cluster.ingress import OpenAIIngress
 from tokenflow.cluster.server import LLMServer
+from tokenflow.cluster.serving_mode import ServingMode, check_cluster_env
 from tokenflow.config import (
     AppConfig,
-    ConfigError,
     DeploymentConfig,
     EngineConfig,
-    load_app_config,
+    app_config_from_args,
 )
 
-# Flat overrides accepted next to a config: name -> path in the AppConfig.
-FLAT_OVERRIDES: dict[str, tuple[str, ...]] = {
-    "model": ("engine", "model", "model"),
-    "api_key": ("api_key",),
-}
 # The ingress only forwards bytes: no CPU reservation, and room for every request the
 # LLMServer replicas could hold at once.
 INGRESS_OPTIONS: dict[str, Any] = {"num_replicas": 1, "max_ongoing_requests": 4096,
                                    "ray_actor_options": {"num_cpus": 0}}
-
-
-def app_config_from_args(args: dict[str, Any] | None) -> AppConfig:
-    """Validate Serve-style `args` into an AppConfig; errors name the bad field's path."""
-    args = dict(args or {})
-    overrides = {k: args.pop(k) for k in list(args) if k in FLAT_OVERRIDES}
-    path = args.pop("config", None)
-    if path is not None and args:
-        raise ConfigError(f"give either 'config' or an inline config, not both "
-                          f"(also got: {', '.join(sorted(args))})")
-    config = load_app_config(path if path is not None else args)
-    if not overrides:
-        return config
-    data = config.model_dump(exclude_unset=True)
-    for key, value in overrides.items():
-        if value is not None:
-            _set_path(data, FLAT_OVERRIDES[key], value)
-    return load_app_config(data)
+# The ingress request router answers one small call per request (HAProxy's), never a token.
+ROUTER_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 4096,
+                                  "ray_actor_options": {"num_cpus": 0}}
 
 
 def server_options(config: AppConfig) -> dict[str, Any]:
@@ -85,10 +66,12 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
 
 
 def bind_app(config: AppConfig) -> serve.Application:
-    """Bind the ingress to the LLMServer deployment with the configured options (and, when
-    disaggregated, the decode LLMServer to its prefill deployment)."""
-    server = serve.deployment(LLMServer, name="LLMServer", **server_options(config))
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
+    """The application of `config.serving_mode`: the OpenAIIngress deployment bound to the
+    LLMServer deployment, or the LLMServer as its own ingress (with HAProxy, plus the ingress
+    request router that picks its replica); when disaggregated, the decode LLMServer is bound
+    to its prefill deployment."""
+    mode = config.serving_mode
+    check_cluster_env(mode)
     engine_args = config.engine.model_dump(mode="json")
     prefill = None
     if config.prefill is not None:
@@ -97,17 +80,25 @@ def bind_app(config: AppConfig) -> serve.Application:
             **deployment_options(config.prefill.engine, config.prefill.deployment),
         ).bind(config.prefill.engine.model_dump(mode="json"))
     model = config.engine.model
-    return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s,
-                                    prefill=prefill),
-                        model.name, config.api_key, model.tokenizer or model.model)
+    http_args = (model.name, config.api_key, model.tokenizer or model.model)
+    if not mode.replica_is_ingress:
+        server = serve.deployment(LLMServer, name="LLMServer", **server_options(config))
+        ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
+        return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s,
+                                        prefill=prefill), *http_args)
+    from tokenflow.cluster.replica_ingress import IngressLLMServer, ReplicaRouter
+
+    server = serve.deployment(IngressLLMServer, name="LLMServer", **server_options(config))
+    app = server.bind(engine_args, *http_args, stream_interval_s=config.stream_interval_s,
+                      prefill=prefill)
+    if mode is ServingMode.HAPROXY:
+        router = serve.deployment(ReplicaRouter, name="ReplicaRouter", **ROUTER_OPTIONS)
+        # Serve's direct-streaming hook (Ray 2.60, internal): HAProxy asks the router for
+        # each request's replica and sends the request straight to that replica's port.
+        app = app._with_ingress_request_router(router.bind(app))
+    return app
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Serve's application builder: `import_path: tokenflow.cluster.app:build_app`."""
     return bind_app(app_config_from_args(args))
-
-
-def _set_path(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        data = data.setdefault(key, {})
-    data[path[-1]] = value

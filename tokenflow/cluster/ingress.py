@@ -90,26 +90,26 @@ class _HandleBackend:
                                f"({deployment.status}: {deployment.message or 'no message'})")
 
     async def pause(self, mode: PauseState) -> list[dict[str, Any]]:
-        return await self._broadcast("pause", mode)
+        return await broadcast(self._server, "pause", mode)
 
     async def resume(self) -> list[dict[str, Any]]:
-        return await self._broadcast("resume")
+        return await broadcast(self._server, "resume")
 
     async def pause_status(self) -> list[dict[str, Any]]:
-        return await self._broadcast("pause_status")
+        return await broadcast(self._server, "pause_status")
 
-    async def _broadcast(self, method: str, *args: Any) -> list[dict[str, Any]]:
-        """Call `method` on every replica. A replica that is gone, or no answer in time, is a
-        503: the calls are idempotent, so the client retries them all."""
-        try:
-            return await self._server.broadcast(method, *args).results_async(
-                timeout_s=ADMIN_TIMEOUT_S)
-        except _REPLICA_GONE as exc:
-            raise service_unavailable(f"a model replica is unavailable ({type(exc).__name__}); "
-                                      "retry", REPLICA_GONE_RETRY_S) from exc
-        except TimeoutError as exc:
-            raise service_unavailable(f"a model replica did not answer {method} within "
-                                      f"{ADMIN_TIMEOUT_S} s; retry", REPLICA_GONE_RETRY_S) from exc
+
+async def broadcast(server: DeploymentHandle, method: str, *args: Any) -> list[dict[str, Any]]:
+    """Call `method` on every replica of `server`'s deployment. A replica that is gone, or no
+    answer in time, is a 503: the calls are idempotent, so the client retries them all."""
+    try:
+        return await server.broadcast(method, *args).results_async(timeout_s=ADMIN_TIMEOUT_S)
+    except _REPLICA_GONE as exc:
+        raise service_unavailable(f"a model replica is unavailable ({type(exc).__name__}); "
+                                  "retry", REPLICA_GONE_RETRY_S) from exc
+    except TimeoutError as exc:
+        raise service_unavailable(f"a model replica did not answer {method} within "
+                                  f"{ADMIN_TIMEOUT_S} s; retry", REPLICA_GONE_RETRY_S) from exc
 
 
 @serve.ingress()

@@ -22,7 +22,8 @@ import time
 from typing import Any
 
 from tokenflow.cluster.observe import ObserveOptions, describe, options_from_args
-from tokenflow.config import AppConfig
+from tokenflow.cluster.serving_mode import ServingMode, apply_cluster_env
+from tokenflow.config import AppConfig, app_config_from_args
 
 APP_NAME = "tokenflow"
 POLL_S = 1.0
@@ -44,8 +45,6 @@ def _say(message: str) -> None:
 
 def config_from_cli(args: argparse.Namespace) -> AppConfig:
     """The AppConfig of `tokenflow serve`: the --config file plus the flag overrides."""
-    from tokenflow.cluster.app import app_config_from_args
-
     serve_args: dict[str, Any] = {"model": args.model, "api_key": args.api_key}
     if args.config is not None:
         serve_args["config"] = args.config
@@ -84,8 +83,9 @@ def _port_answers(host: str, port: int) -> bool:
         return False
 
 
-def _start_ray(observe: ObserveOptions) -> bool:
-    """Join RAY_ADDRESS if set, else start a new local cluster; True if we started it."""
+def _start_ray(observe: ObserveOptions, mode: ServingMode) -> bool:
+    """Join RAY_ADDRESS if set, else start a new local cluster set up for `mode`; True if we
+    started it."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -93,6 +93,7 @@ def _start_ray(observe: ObserveOptions) -> bool:
         ray.init(address=address, log_to_driver=False)
         return False
     observe.export_env()  # read by the dashboard process that ray.init starts
+    apply_cluster_env(mode)  # Serve's switches, read by every process of the new cluster
     # "local": a new cluster of our own, even if Ray's temp dir names a running one.
     context = ray.init(address="local", log_to_driver=False, **observe.ray_init_kwargs())
     for line in describe(observe, context.dashboard_url):
@@ -262,7 +263,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if not joining:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
-        started_ray = _start_ray(observe)
+        started_ray = _start_ray(observe, config.serving_mode)
         _refuse_to_replace(started_ray)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")
@@ -281,6 +282,8 @@ def _run(config: AppConfig, started_ray: bool,
             _say(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}; if Serve already runs "
                  "there, its own HTTP host and port apply")
         serve.start(http_options={"host": config.host, "port": config.port})
+        mode = config.serving_mode
+        _say(f"serving mode {mode.value}: {mode.describe()}")
         _say(f"deploying {config.engine.model.name} ...")
         try:
             deployed = True

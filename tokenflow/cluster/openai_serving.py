@@ -180,10 +180,14 @@ async def _sse(stream: GenerationStream, fmt: Formatter) -> AsyncIterator[str]:
                 for event in fmt.done_events(item):
                     yield event
                 return
-            for event in fmt.stream_events(item):
-                yield event
-                if event == SSE_DONE:  # a choice failed: the stream ends here
-                    return
+            # One body chunk per item, however many events it holds: each chunk is a trip
+            # through the ASGI stack and a write.
+            events = fmt.stream_events(item)
+            if SSE_DONE in events:  # a choice failed: the stream ends here
+                yield "".join(events[:events.index(SSE_DONE) + 1])
+                return
+            if events:
+                yield "".join(events)
     except asyncio.CancelledError:
         # The client went away: normal, and not worth a traceback.
         logger.debug("client disconnected from stream %s; its request is aborted", fmt.id)

@@ -122,10 +122,15 @@ class LLMServer:
             await self._unpaused.wait()
             events = self._disaggregated(prompts[0], params, request_id, priority,
                                          received_time)
+        elif len(processed) == 1 and not self._stream_interval_s:
+            events = self._stream_one(request_id, processed[0], received_time)
         else:
             events = self._stream(request_id, processed, received_time)
-        async for event in events:
-            yield event
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # at once: closing it aborts the engine requests
 
     async def _disaggregated(self, prompt: list[int], params: SamplingParams, request_id: str,
                              priority: int, received_time: float | None
@@ -145,9 +150,13 @@ class LLMServer:
                         "first_token_ids": prefilled.delta.token_ids}
         processed = self.engine.process_inputs(prompt, params, f"{request_id}-0", priority,
                                                transfer)
-        async for event in self._stream(request_id, [processed], received_time,
-                                        prefilled.delta if prefilled else None):
-            yield event
+        events = self._stream(request_id, [processed], received_time,
+                              prefilled.delta if prefilled else None)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
 
     async def _stream(self, request_id: str, processed: list[ProcessedRequest],
                       received_time: float | None, leading: SeqDelta | None = None
@@ -188,6 +197,33 @@ class LLMServer:
             # engine stream closes, which aborts its request and frees its blocks.
             for task in tasks:
                 task.cancel()
+
+    async def _stream_one(self, request_id: str, processed: ProcessedRequest,
+                          received_time: float | None) -> AsyncIterator[StreamEvent]:
+        """`_stream` for one prompt sent as it comes (no stream interval): the engine's
+        batches go straight out, without a task and a queue per request in between (each a
+        wake-up per step per stream, which on a busy replica takes the engine's CPU)."""
+        yield Accepted(request_id, [len(processed.prompt_token_ids)])
+        tally = _Tally(len(processed.prompt_token_ids), processed.params.n)
+        batches = self.engine.generate_batched(processed)
+        try:
+            async for outs in batches:
+                deltas = []
+                for out in outs:
+                    tally.add(out)
+                    deltas.extend(self._delta(0, c, out.error) for c in out.outputs)
+                    if out.finished:
+                        self._record(out, tally, received_time)
+                yield deltas
+        except Exception as exc:  # the engine died under us: end every open choice with it
+            logger.warning("request %s failed: %r", processed.request_id, exc)
+            retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
+            yield [SeqDelta(j, "", [], None, "error", str(exc), retry)
+                   for j in range(tally.n) if j not in tally.finished]
+        finally:
+            await batches.aclose()  # a client that left: abort the request now
+        yield Finished(tally.num_prompt_tokens, tally.num_generated, tally.num_cached_tokens,
+                       tally.kv_transfer_params)
 
     async def _pump(self, processed: ProcessedRequest, base_index: int, tally: _Tally,
                     queue: asyncio.Queue[list[SeqDelta] | None],

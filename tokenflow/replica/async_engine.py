@@ -113,6 +113,21 @@ class AsyncEngine:
                        params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream deltas of one request. Bad input raises ValueError before anything runs."""
+        batches = self.generate_batched(prompt, params, request_id, priority)
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def generate_batched(self, prompt: str | list[int] | ProcessedRequest,
+                               params: SamplingParams | None = None,
+                               request_id: str | None = None, priority: int = 0
+                               ) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, but each item is every delta that arrived since the caller last asked
+        (one step's, or several when the caller fell behind): a consumer that sends each item
+        somewhere sends fewer, larger ones exactly when it is the bottleneck."""
         self.check_health()
         processed = (prompt if isinstance(prompt, ProcessedRequest)
                      else self.process_inputs(prompt, params, request_id, priority))
@@ -125,11 +140,19 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    items.append(stream.queue.get_nowait())
+                for i, item in enumerate(items):
+                    if isinstance(item, BaseException):
+                        if i:
+                            yield items[:i]
+                        raise item
+                    finished = item.finished
+                    if finished:
+                        items = items[:i + 1]
+                        break
+                yield items
         finally:
             self._streams.pop(request_id, None)
             if not finished:

@@ -111,3 +111,22 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 {{- end -}}
+
+{{/*
+Ray Serve's switches for `tokenflow.serving_mode` (tokenflow/cluster/serving_mode.py): Serve
+reads them from every Ray process's environment at start, so every pod gets them. The default
+mode here must be AppConfig's (a chart test checks both, and each mode's variables).
+*/}}
+{{- define "tokenflow.servingEnv" -}}
+{{- $mode := .Values.tokenflow.serving_mode | default "haproxy" -}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq $mode "haproxy") | quote }}
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: {{ ternary "1" "0" (eq $mode "haproxy") | quote }}
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: {{ ternary "1" "0" (eq $mode "proxy_ingress_grpc") | quote }}
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+- name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE
+  value: "1000"
+{{- end -}}

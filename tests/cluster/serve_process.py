@@ -1,0 +1,71 @@
+"""`tokenflow serve` as a subprocess of a test: its own process group, its stderr lines."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+
+class ServeProcess:
+    """Owns one `tokenflow serve` subprocess (its own process group) and its stderr lines."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenflow.cli", "serve", *args], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, text: str, timeout_s: float = 240) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} from tokenflow serve:\n" + self.output)
+            time.sleep(0.2)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def ray_processes(self) -> list[psutil.Process]:
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        return [p for p in children if p.name() in ("raylet", "gcs_server")]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=120)
+        self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        kill_tree(self.proc)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a process we started, its process group and every descendant, then reap it."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(timeout=30)

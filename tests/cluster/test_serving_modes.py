@@ -1,0 +1,213 @@
+"""Every serving mode, end to end: `tokenflow serve` (its own Ray cluster, set up for the mode)
+answers the official `openai` client token-exactly, streams with usage, enforces its API key and
+gives OpenAI's error shape; the default mode with two replicas spreads requests over both.
+
+The default mode also runs every test of `test_serve.py` (the session cluster is set up for it,
+`tests/conftest.py`); here each other mode gets the same core checks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+import yaml
+
+from tests.cluster.conftest import free_port
+from tests.cluster.serve_process import ServeProcess
+from tokenflow.cluster.serving_mode import (
+    ServingMode,
+    check_cluster_env,
+    cluster_env,
+    switches,
+)
+from tokenflow.config import AppConfig, ConfigError, EngineConfig, load_app_config
+from tokenflow.replica.llm import LLM
+from tokenflow.scheduler import SamplingParams
+
+API_KEY = "modes-test-key"
+MODEL = "tokenflow-tiny"
+ENGINE: dict[str, Any] = {
+    "model": {"model": MODEL, "num_threads": 1},
+    "cache": {"block_size": 16, "num_blocks": 128},
+    "scheduler": {"max_model_len": 256, "max_num_batched_tokens": 256},
+}
+PROMPTS = ["The quick brown fox", "Ray Serve replicas"]
+READY = "serving the OpenAI API"
+
+
+# ------------------------------------------------------------------------- the config field
+
+
+def test_serving_mode_is_validated_by_name() -> None:
+    assert load_app_config({"serving_mode": "proxy"}).serving_mode is ServingMode.PROXY
+    with pytest.raises(ConfigError, match="serving_mode"):
+        load_app_config({"serving_mode": "fast"})
+
+
+def test_each_mode_sets_every_switch_explicitly() -> None:
+    names = {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+             "RAY_SERVE_USE_GRPC_BY_DEFAULT"}
+    for mode in ServingMode:
+        assert set(switches(mode)) == names
+    assert switches(ServingMode.HAPROXY)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert switches(ServingMode.PROXY_INGRESS_GRPC)["RAY_SERVE_USE_GRPC_BY_DEFAULT"] == "1"
+    assert set(switches(ServingMode.PROXY).values()) == {"0"}
+
+
+def test_two_haproxy_clusters_get_their_own_files_and_ports() -> None:
+    first, second = cluster_env(ServingMode.HAPROXY), cluster_env(ServingMode.HAPROXY)
+    for name in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                 "RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        assert first[name] != second[name]
+    # HAProxy refuses a stats socket path over 97 characters; Ray nests a 56-character
+    # directory under the base.
+    assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) + 57 <= 97
+
+
+def test_a_cluster_without_the_modes_switches_is_refused(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):
+        check_cluster_env(ServingMode.HAPROXY)
+    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
+    with pytest.raises(ValueError, match="RAY_SERVE_USE_GRPC_BY_DEFAULT=0"):
+        check_cluster_env(ServingMode.PROXY)
+
+
+def test_the_default_mode_is_the_one_the_test_cluster_runs() -> None:
+    """tests/conftest.py sets up the session's cluster for AppConfig's default mode."""
+    check_cluster_env(AppConfig().serving_mode)
+
+
+# ------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(config=EngineConfig.model_validate(ENGINE))
+
+
+def _start(mode: ServingMode, num_replicas: int, tmp_path: Path) -> tuple[ServeProcess, str]:
+    port = free_port()
+    config = tmp_path / f"{mode.value}.yaml"
+    config.write_text(yaml.safe_dump({
+        "engine": ENGINE, "serving_mode": mode.value,
+        "deployment": {"num_replicas": num_replicas,
+                       "ray_actor_options": {"num_cpus": 0.25}}}))
+    ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    server = ServeProcess(["--config", str(config), "--port", str(port), "--api-key",
+                           API_KEY, "--no-dashboard"], env)
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _check_the_api(base_url: str, offline: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in offline.generate(PROMPTS, params, use_tqdm=False)]
+    tok = offline.tokenizer
+    for prompt, ids in zip(PROMPTS, expected, strict=True):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == tok.decode(ids)  # token-exact against offline
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert chunks[-1].usage.completion_tokens == 8
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.usage.completion_tokens <= 4 and chat.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    assert bad.value.status_code == 400 and "max_tokens" in str(bad.value)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong",
+                      max_retries=0).models.list()
+    tokens = httpx.post(f"{base_url}/tokenize", json={"prompt": PROMPTS[0]},
+                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    assert tokens["tokens"] == tok.encode(PROMPTS[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [m for m in ServingMode if m is not AppConfig().serving_mode],
+                         ids=lambda m: m.value)
+def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
+                                         tmp_path: Path) -> None:
+    server, url = _start(mode, 1, tmp_path)
+    try:
+        server.wait_for(READY)
+        assert f"serving mode {mode.value}:" in server.output
+        _check_the_api(url, offline)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) -> None:
+    mode = AppConfig().serving_mode
+    server, url = _start(mode, 2, tmp_path)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        server.wait_for(READY)
+        assert f"serving mode {mode.value}:" in server.output
+        _check_the_api(url, offline)
+
+        def long_request(i: int) -> int:
+            body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 120,
+                    "ignore_eos": True}
+            return httpx.post(f"{url}/v1/completions", json=body, headers=auth,
+                              timeout=300).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(long_request, i) for i in range(16)]
+            busy: set[str] = set()
+            while not all(f.done() for f in futures) and len(busy) < 2:
+                time.sleep(0.05)
+                status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
+                busy |= {r["replica"] for r in status["replicas"]
+                         if r["running"] + r["waiting"] > 0}
+            assert [f.result() for f in futures] == [200] * 16
+        # The Serve request router sent requests to both replicas.
+        assert len(busy) == 2, busy
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_proxy_ingress_answers_for_a_dead_replica_with_a_503(tmp_path: Path) -> None:
+    """With a separate ingress, a replica process that dies mid-request is the ingress's 503
+    with Retry-After in OpenAI's shape (the client's cue to retry)."""
+    server, url = _start(ServingMode.PROXY_INGRESS, 1, tmp_path)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        server.wait_for(READY)
+        body = {"model": MODEL, "prompt": "once", "max_tokens": 200, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            request = pool.submit(httpx.post, f"{url}/v1/completions", json=body,
+                                  headers=auth, timeout=120)
+            while not any(r["running"] for r in httpx.get(
+                    f"{url}/is_paused", headers=auth, timeout=30).json()["replicas"]):
+                assert not request.done(), request.result().text
+                time.sleep(0.05)
+            [replica] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                         if "ServeReplica:tokenflow:LLMServer" in " ".join(p.cmdline())]
+            replica.kill()  # a process this test started (through tokenflow serve)
+            resp = request.result()
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["retry-after"]) > 0
+        assert resp.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        server.stop()
