@@ -446,6 +446,35 @@ def _events(stream: Any) -> list[Any]:
     return asyncio.run(drain())
 
 
+@pytest.mark.parametrize("prompts", [[[5, 6, 7]], [[5, 6, 7], [8, 9]]], ids=["one", "two"])
+def test_a_stream_interval_coalesces_chunks_and_keeps_every_token(
+        server: Any, prompts: list[list[int]]) -> None:
+    """stream_interval_s: the first delta goes at once, then at most one item per interval;
+    the tokens are those of the uncoalesced stream."""
+    from tokenflow.cluster.messages import Accepted, Finished
+    from tokenflow.cluster.server import LLMServer
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    coalescing = LLMServer(ENGINE_ARGS, stream_interval_s=0.25)
+    try:
+        def tokens_and_items(srv: Any, rid: str) -> tuple[dict[int, list[int]], int]:
+            events = _events(srv.generate(prompts, params, rid))
+            assert isinstance(events[0], Accepted) and isinstance(events[-1], Finished)
+            out: dict[int, list[int]] = {}
+            for batch in events[1:-1]:
+                for d in batch:
+                    out.setdefault(d.index, []).extend(d.token_ids)
+            return out, len(events) - 2
+
+        plain, plain_items = tokens_and_items(server, "r-plain")
+        coalesced, items = tokens_and_items(coalescing, "r-coalesced")
+    finally:
+        coalescing.engine.shutdown()
+    assert coalesced == plain and all(len(t) == 40 for t in plain.values())
+    assert plain_items >= 40  # one item per step without an interval
+    assert items < plain_items / 2  # 40 steps of a few ms, one item per 250 ms
+
+
 def test_server_rejects_bad_input_as_data(server: Any) -> None:
     from tokenflow.cluster.messages import Rejected
 

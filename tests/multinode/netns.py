@@ -92,7 +92,7 @@ from types import TracebackType
 from typing import Any
 
 from tests.multinode import network
-from tokenflow.cluster.serving_mode import cluster_env
+from tokenflow.cluster.serving_mode import cluster_env, switches
 from tokenflow.config import AppConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -212,7 +212,7 @@ class NamespaceCluster:
         self.extra_resources = resources or {}
         self.start_timeout_s = start_timeout_s
         self.run_dir: Path | None = None
-        self._serving_env: dict[str, str] | None = None
+        self._haproxy_dirs: list[str] = []
         self._inits: dict[str, subprocess.Popen[bytes]] = {}  # node name -> its nodeinit
         self._status_fds: dict[str, int] = {}  # node name -> pipe of its `ray start` status
         self._watchdog: subprocess.Popen[bytes] | None = None
@@ -248,12 +248,10 @@ class NamespaceCluster:
         return self.network.netns_names
 
     def env(self) -> dict[str, str]:
-        """The environment of every node and driver: clean of RAY_*, token auth on, Serve set
-        up for the default serving mode (with this cluster's own HAProxy files)."""
+        """The environment of every node and driver: clean of RAY_*, token auth on, Serve's
+        switches for the default serving mode."""
         assert self.run_dir is not None, "the cluster is not started"
-        if self._serving_env is None:
-            self._serving_env = cluster_env(AppConfig().serving_mode)
-        return _clean_env() | self._serving_env | {
+        return _clean_env() | switches(AppConfig().serving_mode) | {
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.run_dir / "auth_token"),
             "RAY_USAGE_STATS_ENABLED": "0",
@@ -313,12 +311,22 @@ class NamespaceCluster:
                 ["ip", "netns", "exec", node.netns, sys.executable, str(HERE / "nodeinit.py"),
                  str(write_fd), *cmd],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env(), cwd=self.run_dir, pass_fds=(write_fd,),
+                env=self.env() | self._node_serving_env(node), cwd=self.run_dir,
+                pass_fds=(write_fd,),
                 # Not in pytest's process group: Ctrl-C reaches pytest, which tears down.
                 start_new_session=True)
         os.close(write_fd)
         self._inits[node.name] = proc
         self._status_fds[node.name] = read_fd
+
+    def _node_serving_env(self, node: Node) -> dict[str, str]:
+        """Serve's environment for one node: every node runs its own HAProxy, and Ray's
+        HAProxy files are per machine, so each node gets its own (removed in `close`)."""
+        env = cluster_env(AppConfig().serving_mode)
+        base = env.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+        if base:
+            self._haproxy_dirs.append(base)
+        return env
 
     def _wait_started(self, nodes: list[Node], deadline: float) -> None:
         """Wait until `ray start` returned on every node of `nodes`; raise with its log if not 0."""
@@ -364,6 +372,8 @@ class NamespaceCluster:
                 self._watchdog.wait()
             if self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+            for path in self._haproxy_dirs:
+                shutil.rmtree(path, ignore_errors=True)
 
     # --- drivers -----------------------------------------------------------------------------
 

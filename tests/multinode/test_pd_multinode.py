@@ -31,7 +31,9 @@ from tokenflow.cluster.app import build_app
 
 ray.init(log_to_driver=False)
 nodes = json.loads(os.environ["TF_NODES"])
-serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+# Every address of the node (its veth and loopback): HAProxy on the head reaches the replicas'
+# own ports on the other nodes (serving mode haproxy).
+serve.start(http_options={"host": "0.0.0.0", "port": 8000})
 prompts, num_new = json.loads(os.environ["TF_PROMPTS"]), int(os.environ["TF_NUM_NEW"])
 result = {}
 for connector in ("torch_p2p", "ray_object_store"):

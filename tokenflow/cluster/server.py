@@ -122,7 +122,7 @@ class LLMServer:
             await self._unpaused.wait()
             events = self._disaggregated(prompts[0], params, request_id, priority,
                                          received_time)
-        elif len(processed) == 1 and not self._stream_interval_s:
+        elif len(processed) == 1:
             events = self._stream_one(request_id, processed[0], received_time)
         else:
             events = self._stream(request_id, processed, received_time)
@@ -200,26 +200,33 @@ class LLMServer:
 
     async def _stream_one(self, request_id: str, processed: ProcessedRequest,
                           received_time: float | None) -> AsyncIterator[StreamEvent]:
-        """`_stream` for one prompt sent as it comes (no stream interval): the engine's
-        batches go straight out, without a task and a queue per request in between (each a
-        wake-up per step per stream, which on a busy replica takes the engine's CPU)."""
+        """`_stream` for one prompt: the engine's batches go straight out, without a task and
+        a queue per request in between (each a wake-up per step per stream, which on a busy
+        replica takes the engine's CPU). With a stream interval, deltas are held back until it
+        has passed since the last send (the first and the last go at once)."""
         yield Accepted(request_id, [len(processed.prompt_token_ids)])
         tally = _Tally(len(processed.prompt_token_ids), processed.params.n)
         batches = self.engine.generate_batched(processed)
+        held: list[SeqDelta] = []
+        next_send = 0.0
         try:
             async for outs in batches:
-                deltas = []
+                finished = False
                 for out in outs:
                     tally.add(out)
-                    deltas.extend(self._delta(0, c, out.error) for c in out.outputs)
+                    held.extend(self._delta(0, c, out.error) for c in out.outputs)
                     if out.finished:
+                        finished = True
                         self._record(out, tally, received_time)
-                yield deltas
+                now = time.monotonic()
+                if held and (finished or now >= next_send):
+                    yield held
+                    held, next_send = [], now + self._stream_interval_s
         except Exception as exc:  # the engine died under us: end every open choice with it
             logger.warning("request %s failed: %r", processed.request_id, exc)
             retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
-            yield [SeqDelta(j, "", [], None, "error", str(exc), retry)
-                   for j in range(tally.n) if j not in tally.finished]
+            yield [*held, *(SeqDelta(j, "", [], None, "error", str(exc), retry)
+                            for j in range(tally.n) if j not in tally.finished)]
         finally:
             await batches.aclose()  # a client that left: abort the request now
         yield Finished(tally.num_prompt_tokens, tally.num_generated, tally.num_cached_tokens,
