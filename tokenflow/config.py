@@ -235,6 +235,10 @@ class DeploymentConfig(_Frozen):
     # default: the engine's waiting queue is the real queue, and anything queued at the handle
     # (health checks and stats calls included) would wait behind every request.
     max_ongoing_requests: int = Field(default=1024, ge=1)
+    # Backpressure: requests a replica holds beyond the max_num_seqs it can run; one more is
+    # refused at once with a 503 and Retry-After (OpenAI's error shape), in every serving
+    # mode, instead of waiting without limit. None: no bound.
+    max_queued_requests: int | None = Field(default=None, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
     @model_validator(mode="after")

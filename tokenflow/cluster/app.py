@@ -78,19 +78,22 @@ def bind_app(config: AppConfig) -> serve.Application:
         prefill = serve.deployment(
             LLMServer, name="PrefillServer",
             **deployment_options(config.prefill.engine, config.prefill.deployment),
-        ).bind(config.prefill.engine.model_dump(mode="json"))
+        ).bind(config.prefill.engine.model_dump(mode="json"),
+               max_queued_requests=config.prefill.deployment.max_queued_requests)
     model = config.engine.model
     http_args = (model.name, config.api_key, model.tokenizer or model.model)
+    max_queued = config.deployment.max_queued_requests
     if not mode.replica_is_ingress:
         server = serve.deployment(LLMServer, name="LLMServer", **server_options(config))
         ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
         return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s,
-                                        prefill=prefill), *http_args)
+                                        prefill=prefill, max_queued_requests=max_queued),
+                            *http_args)
     from tokenflow.cluster.replica_ingress import IngressLLMServer, ReplicaRouter
 
     server = serve.deployment(IngressLLMServer, name="LLMServer", **server_options(config))
     app = server.bind(engine_args, *http_args, stream_interval_s=config.stream_interval_s,
-                      prefill=prefill)
+                      prefill=prefill, max_queued_requests=max_queued)
     if mode is ServingMode.HAPROXY:
         router = serve.deployment(ReplicaRouter, name="ReplicaRouter", **ROUTER_OPTIONS)
         # Serve's direct-streaming hook (Ray 2.60, internal): HAProxy asks the router for

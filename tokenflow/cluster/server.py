@@ -39,6 +39,8 @@ from tokenflow.scheduler import PauseState, SamplingParams, TokenLogprobs
 logger = logging.getLogger(__name__)
 # Serve replaces a replica whose engine died (its check_health fails) within seconds.
 ENGINE_DEAD_RETRY_S = 5
+# A replica at its request bound frees a slot as soon as any request ends.
+OVERLOADED_RETRY_S = 1
 
 
 
@@ -73,10 +75,14 @@ class LLMServer:
 
     def __init__(self, engine_config: dict[str, Any] | EngineConfig,
                  metrics_interval_s: float = 0.5, stream_interval_s: float = 0.0,
-                 prefill: Any = None) -> None:
+                 prefill: Any = None, max_queued_requests: int | None = None) -> None:
         """`prefill`: a handle to a prefill deployment; with it, this replica decodes and runs
-        each request's prefill there (`cluster.pd`)."""
+        each request's prefill there (`cluster.pd`). `max_queued_requests`: the backpressure
+        bound (`DeploymentConfig`): beyond max_num_seqs + this many requests, refuse."""
         config = EngineConfig.model_validate(engine_config)
+        self._max_requests = (None if max_queued_requests is None
+                              else config.scheduler.max_num_seqs + max_queued_requests)
+        self._num_requests = 0  # requests this replica holds now (accepted, not yet ended)
         self._prefill = PrefillClient(prefill) if prefill is not None else None
         # After the first token, a stream sends at most one batch of deltas per interval:
         # every item costs a Ray message and an HTTP chunk, which on a small machine take the
@@ -117,20 +123,28 @@ class LLMServer:
         except ValueError as exc:
             yield Rejected(str(exc))
             return
-        if self._prefill is not None and PrefillClient.wants(prompts, params,
-                                                              kv_transfer_params):
-            await self._unpaused.wait()
+        if self._max_requests is not None and self._num_requests >= self._max_requests:
+            yield Rejected(f"this replica is at its limit of {self._max_requests} requests "
+                           "(running and queued); retry later", None, 503, OVERLOADED_RETRY_S)
+            return
+        disaggregated = self._prefill is not None and PrefillClient.wants(
+            prompts, params, kv_transfer_params)
+        if disaggregated:
             events = self._disaggregated(prompts[0], params, request_id, priority,
                                          received_time)
         elif len(processed) == 1:
             events = self._stream_one(request_id, processed[0], received_time)
         else:
             events = self._stream(request_id, processed, received_time)
+        self._num_requests += 1
         try:
+            if disaggregated:
+                await self._unpaused.wait()  # a paused decode replica sends no new prefills
             async for event in events:
                 yield event
         finally:
             await events.aclose()  # at once: closing it aborts the engine requests
+            self._num_requests -= 1
 
     async def _disaggregated(self, prompt: list[int], params: SamplingParams, request_id: str,
                              priority: int, received_time: float | None
@@ -306,6 +320,7 @@ class LLMServer:
         stats, totals = self.engine.stats, self.engine.totals
         num_free, num_blocks = self.engine.kv_cache
         return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
+                "requests": self._num_requests,
                 "kv_usage": 1 - num_free / num_blocks, "num_free_blocks": num_free,
                 "num_blocks": num_blocks,
                 "waiting_for_remote_kv": stats.num_waiting_for_remote_kvs,

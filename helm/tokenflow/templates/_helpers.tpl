@@ -129,4 +129,6 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "0"
 - name: RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE
   value: "1000"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: "2"
 {{- end -}}
