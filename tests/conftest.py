@@ -7,7 +7,6 @@ the session; every test that needs Ray in this process shares it (Ray allows one
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,17 +16,12 @@ import pytest
 # the default serving mode (Serve reads its switches when first imported, in this process
 # and in every process of the cluster), so the serving tests run in the mode users get.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from tokenflow.cluster.serving_mode import apply_cluster_env  # noqa: E402
+from tokenflow.cluster.serving_mode import apply_cluster_env, switches  # noqa: E402
 from tokenflow.config import AppConfig  # noqa: E402
+from tokenflow.net import free_port  # noqa: E402
 
 DEFAULT_SERVING_MODE = AppConfig().serving_mode
-apply_cluster_env(DEFAULT_SERVING_MODE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+os.environ.update(switches(DEFAULT_SERVING_MODE))
 
 
 @dataclass(frozen=True)
@@ -44,6 +38,9 @@ def cluster() -> Iterator[Cluster]:
     import ray
     from ray import serve
 
+    # The rest of the mode's environment (HAProxy's files and ports) now, not at import: a port
+    # picked long before HAProxy binds it has had all that time to be taken.
+    apply_cluster_env(DEFAULT_SERVING_MODE)
     http_port, metrics_port = free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,

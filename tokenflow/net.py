@@ -4,6 +4,7 @@ port, and this process's node IP."""
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
 
@@ -25,11 +26,30 @@ def interface_of(ip: str) -> str:
     raise ValueError(f"no local interface has address {ip}")
 
 
-def free_port(ip: str) -> int:
-    """A TCP port free on `ip` now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+# Ports a listener picks for itself come from here, outside the ranges others take without
+# asking: the kernel's ephemeral range (32768-60999 by default), where every outgoing
+# connection (Ray opens hundreds) holds a local port, so a port that was free a moment ago is
+# often taken by the time a server binds it; Ray's worker ports (10002-19999); and Serve's
+# direct-ingress replica ports (30000-31000). Each process walks the range from its own
+# offset, so two processes picking at once rarely meet, and one never hands a port out twice.
+_PORT_RANGE = range(20000, 29990)
+_port_cursor = os.getpid() * 7919
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A TCP port nobody holds on `ip` now and that no one takes by chance before the caller
+    binds it (see _PORT_RANGE)."""
+    global _port_cursor
+    for _ in range(len(_PORT_RANGE)):
+        _port_cursor += 1
+        port = _PORT_RANGE[_port_cursor % len(_PORT_RANGE)]
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:  # held by someone else
+                continue
+            return port
+    raise OSError(f"no free port on {ip} in {_PORT_RANGE.start}-{_PORT_RANGE.stop - 1}")
 
 
 def node_ip() -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,17 +20,13 @@ from typing import Any
 import httpx
 import yaml
 
+from tokenflow.net import free_port
+
 BINARY = "prometheus"
 
 
 def available() -> bool:
     return shutil.which(BINARY) is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
@@ -45,7 +40,7 @@ class Prometheus:
                   "scrape_configs": [{"job_name": "ray",
                                       "static_configs": [{"targets": targets}]}]}
         (self._dir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self._log = open(self._dir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop)
         self._proc = subprocess.Popen(
             [BINARY, f"--config.file={self._dir / 'prometheus.yml'}",

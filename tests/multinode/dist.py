@@ -13,33 +13,10 @@ IP, the address the other nodes already reach it at.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import socket
-import struct
 from typing import Any
 
-SIOCGIFADDR = 0x8915
-
-
-def interface_of(ip: str) -> str:
-    """The local network interface holding the IPv4 address `ip`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                ifreq = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()))
-            except OSError:  # no IPv4 address on this interface
-                continue
-            if socket.inet_ntoa(ifreq[20:24]) == ip:
-                return name
-    raise ValueError(f"no local interface has address {ip}")
-
-
-def free_port(ip: str) -> int:
-    """A TCP port free on `ip` right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+from tokenflow.net import free_port, interface_of
 
 
 class GlooPeer:

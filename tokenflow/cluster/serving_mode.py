@@ -22,9 +22,10 @@ are missing instead of letting Serve fall back silently.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from enum import Enum
+
+from tokenflow.net import free_port
 
 
 class ServingMode(str, Enum):
@@ -96,8 +97,8 @@ def cluster_env(mode: ServingMode) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(base, "admin.sock"),
             "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(base, "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_NBTHREAD": str(min(2, os.cpu_count() or 1)),
         })
     return env
@@ -120,9 +121,3 @@ def check_cluster_env(mode: ServingMode) -> None:
         raise ValueError(f"serving_mode {mode.value!r} needs the Ray cluster started with "
                          f"{' '.join(wrong)} in its environment (Serve reads them at start); "
                          "`tokenflow serve` sets them itself")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
