@@ -71,6 +71,23 @@ def shared_prefix_requests(num_prompts: int, prefix_len: int, suffix_len: int,
     return requests
 
 
+def multi_prefix_requests(num_prompts: int, num_prefixes: int, prefix_len: int,
+                          suffix_len: int, output_len: int, seed: int = 0
+                          ) -> list[BenchRequest]:
+    """Many users, a few long system prompts: `num_prefixes` random prefixes of `prefix_len`
+    words, each request one of them (uniformly at random) then a unique suffix of
+    `suffix_len` words. A prefix-aware router keeps each prefix on one replica."""
+    _check_lengths(num_prompts, prefix_len + suffix_len, output_len)
+    if num_prefixes < 1:
+        raise ValueError("num_prefixes must be >= 1")
+    rng = np.random.default_rng(seed)
+    prefixes = [f"system {p}: {_words(rng, prefix_len)}" for p in range(num_prefixes)]
+    picks = rng.integers(0, num_prefixes, size=num_prompts)
+    return [BenchRequest(f"{prefixes[p]} user {i}: {_words(rng, suffix_len)}",
+                         prefix_len + suffix_len + 4, output_len)
+            for i, p in enumerate(picks)]
+
+
 def _check_lengths(num_prompts: int, input_len: int, output_len: int) -> None:
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")

@@ -272,6 +272,8 @@ class HttpSender:
     `usage.completion_tokens` when it reports one (a chunk can carry several tokens, or one
     token's text can be held back). It yields each chunk one behind, which changes no timing:
     the timestamps are taken when the bytes arrive. Use as `async with`, or call `aclose()`.
+    `prompt_tokens` and `cached_tokens` add up the usage of every request (the prefix-cache
+    hit rate is their ratio).
     """
 
     def __init__(self, base_url: str, endpoint: str, model: str, *, api_key: str | None = None,
@@ -286,6 +288,7 @@ class HttpSender:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s, self.ignore_eos, self.temperature = timeout_s, ignore_eos, temperature
         self._session: aiohttp.ClientSession | None = None
+        self.prompt_tokens = self.cached_tokens = 0
 
     def payload(self, request: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -307,7 +310,11 @@ class HttpSender:
         counted, reported = 0, None
         async for stamp, event in self._events(self.payload(request)):
             if event.get("usage"):
-                reported = event["usage"].get("completion_tokens")
+                usage = event["usage"]
+                reported = usage.get("completion_tokens")
+                self.prompt_tokens += usage.get("prompt_tokens") or 0
+                self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens") or 0
             if self._text(event):
                 if pending is not None:
                     yield pending

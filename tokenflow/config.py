@@ -210,20 +210,52 @@ def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: 
 
 
 class AutoscalingConfig(_Frozen):
-    """Ray Serve autoscaling knobs (a subset of serve.config.AutoscalingConfig)."""
+    """Ray Serve autoscaling: Serve's knobs (a subset of serve.config.AutoscalingConfig) and
+    which policy decides. `llm` (`cluster.autoscaling.LLMAutoscalingPolicy`) scales on what the
+    engines report: running and waiting requests, KV-cache usage and recent TTFT against
+    `ttft_slo_s`. `ongoing_requests` is Serve's default policy (ongoing requests per replica
+    against target_ongoing_requests only)."""
 
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=2, ge=1)
     initial_replicas: int | None = Field(default=None, ge=0)
+    policy: Literal["llm", "ongoing_requests"] = "llm"
+    # Running + waiting requests a replica should hold (both policies).
     target_ongoing_requests: float = Field(default=8.0, gt=0)
+    # `llm` only: more waiting requests per replica than this adds a replica whatever the rest
+    # says; KV usage and TTFT (90th percentile over the last 10 s) have targets of their own;
+    # scale down only to a count that keeps every signal under downscale_headroom x target.
+    max_waiting_per_replica: float = Field(default=2.0, ge=0)
+    target_kv_cache_usage: float = Field(default=0.8, gt=0, le=1)
+    ttft_slo_s: float | None = Field(default=2.0, gt=0)
+    downscale_headroom: float = Field(default=0.6, gt=0, lt=1)
     upscale_delay_s: float = Field(default=5.0, ge=0)
     downscale_delay_s: float = Field(default=30.0, ge=0)
+    # How often replicas report to the controller, and the window Serve averages them over.
+    metrics_interval_s: float = Field(default=2.0, gt=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be longer than metrics_interval_s")
         return self
+
+    def serve_options(self) -> dict[str, Any]:
+        """The deployment's `autoscaling_config` for Serve."""
+        options = self.model_dump(include={
+            "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
+            "upscale_delay_s", "downscale_delay_s", "metrics_interval_s", "look_back_period_s"},
+            exclude_none=True)
+        if self.policy == "llm":
+            options["policy"] = {
+                "policy_function": "tokenflow.cluster.autoscaling:LLMAutoscalingPolicy",
+                "policy_kwargs": self.model_dump(include={
+                    "target_ongoing_requests", "max_waiting_per_replica",
+                    "target_kv_cache_usage", "ttft_slo_s", "downscale_headroom"})}
+        return options
 
 
 class DeploymentConfig(_Frozen):
@@ -239,6 +271,13 @@ class DeploymentConfig(_Frozen):
     # refused at once with a 503 and Retry-After (OpenAI's error shape), in every serving
     # mode, instead of waiting without limit. None: no bound.
     max_queued_requests: int | None = Field(default=None, ge=0)
+    # The Serve request router that picks each request's replica: Serve's power of two
+    # choices, or the prefix-aware one (`cluster.prefix_router`), which keeps requests with a
+    # common prompt prefix on the replica that caches it while the load stays balanced: it
+    # falls back to power of two choices while the busiest replica holds more than
+    # `router_imbalanced_threshold` requests beyond the idlest.
+    request_router: Literal["power_of_two", "prefix_aware"] = "power_of_two"
+    router_imbalanced_threshold: int = Field(default=8, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
     @model_validator(mode="after")

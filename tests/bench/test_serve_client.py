@@ -28,7 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.datasets import BenchRequest, random_requests, shared_prefix_requests  # noqa: E402
+from bench.datasets import (  # noqa: E402
+    BenchRequest,
+    multi_prefix_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from bench.serve import (  # noqa: E402
     BenchmarkResult,
     RequestResult,
@@ -86,7 +91,7 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     await resp.write(_sse(_chunk(chat, None, finish="length")))
     if body.get("stream_options", {}).get("include_usage"):
         usage = {"prompt_tokens": 3, "completion_tokens": num_tokens,
-                 "total_tokens": 3 + num_tokens}
+                 "total_tokens": 3 + num_tokens, "prompt_tokens_details": {"cached_tokens": 2}}
         await resp.write(_sse({**_chunk(chat, None), "choices": [], "usage": usage}))
     await resp.write(b"data: [DONE]\n\n")
     return resp
@@ -171,6 +176,7 @@ async def test_http_stream_counts(server: FakeServer, endpoint: str) -> None:
     assert body["stream"] is True and body["ignore_eos"] is True
     assert body["stream_options"] == {"include_usage": True}
     assert body["model"] == MODEL
+    assert (send.prompt_tokens, send.cached_tokens) == (3 * num, 2 * num)  # from usage
 
 
 async def test_usage_corrects_multi_token_chunks(server: FakeServer) -> None:
@@ -320,6 +326,16 @@ def test_random_dataset_is_seeded() -> None:
     assert a != random_requests(5, input_len=12, output_len=7, seed=2)
     assert all(len(r.prompt.split()) == 12 and r.output_len == 7 for r in a)
     assert len({r.prompt for r in a}) == 5
+
+
+def test_multi_prefix_dataset() -> None:
+    reqs = multi_prefix_requests(40, num_prefixes=3, prefix_len=20, suffix_len=4,
+                                 output_len=2, seed=0)
+    assert reqs == multi_prefix_requests(40, 3, 20, 4, 2, seed=0)
+    heads = {" ".join(r.prompt.split()[:22]) for r in reqs}  # "system N:" and 20 words
+    assert len(heads) == 3 and len({r.prompt for r in reqs}) == 40
+    with pytest.raises(ValueError):
+        multi_prefix_requests(4, 0, 20, 4, 2)
 
 
 def test_shared_prefix_dataset() -> None:

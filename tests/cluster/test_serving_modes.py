@@ -96,13 +96,14 @@ def offline() -> LLM:
     return LLM(config=EngineConfig.model_validate(ENGINE))
 
 
-def _start(mode: ServingMode, num_replicas: int, tmp_path: Path) -> tuple[ServeProcess, str]:
+def _start(mode: ServingMode, num_replicas: int, tmp_path: Path, **deployment: Any
+           ) -> tuple[ServeProcess, str]:
     port = free_port()
     config = tmp_path / f"{mode.value}.yaml"
     config.write_text(yaml.safe_dump({
         "engine": ENGINE, "serving_mode": mode.value,
         "deployment": {"num_replicas": num_replicas,
-                       "ray_actor_options": {"num_cpus": 0.25}}}))
+                       "ray_actor_options": {"num_cpus": 0.25}, **deployment}}))
     ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
@@ -157,8 +158,10 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 
 @pytest.mark.slow
 def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) -> None:
+    """Two replicas behind the prefix-aware router: unrelated requests spread over both (by
+    load), and requests that share a long prefix all go where it is cached."""
     mode = AppConfig().serving_mode
-    server, url = _start(mode, 2, tmp_path)
+    server, url = _start(mode, 2, tmp_path, request_router="prefix_aware")
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
@@ -182,6 +185,19 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
             assert [f.result() for f in futures] == [200] * 16
         # The Serve request router sent requests to both replicas.
         assert len(busy) == 2, busy
+
+        # One system prompt of several blocks, then each user's own question. Power of two
+        # choices would put each request on the replica without the prefix half the time.
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        system = "You are the assistant of a large shop and answer questions about orders, " * 3
+        cached = []
+        for user in range(8):
+            done = client.completions.create(model=MODEL, prompt=f"{system} user {user} asks",
+                                             max_tokens=2, temperature=0)
+            cached.append(done.usage.prompt_tokens_details.cached_tokens)
+        system_blocks = len(offline.tokenizer.encode(system)) // 16
+        assert system_blocks >= 3
+        assert cached[0] == 0 and all(c >= 16 * system_blocks for c in cached[1:]), cached
     finally:
         server.stop()
 

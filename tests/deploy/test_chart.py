@@ -35,7 +35,13 @@ from tokenflow.cluster.app import app_config_from_args, server_options
 from tokenflow.cluster.chart_schema import to_json, values_schema
 from tokenflow.cluster.dashboards import dashboards
 from tokenflow.cluster.dashboards import to_json as dashboard_json
-from tokenflow.cluster.serving_mode import TUNING, ServingMode, switches
+from tokenflow.cluster.serving_mode import (
+    FORWARD_BODY,
+    TUNING,
+    ServingMode,
+    body_forwarding,
+    switches,
+)
 from tokenflow.config import AppConfig
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -171,6 +177,16 @@ def test_every_pod_gets_the_serving_modes_switches(mode: ServingMode | None) -> 
     `tokenflow serve` sets for it."""
     values = {} if mode is None else {"tokenflow": {"serving_mode": mode.value}}
     expected = _serving_env(mode or AppConfig().serving_mode)
+    for template in _pod_templates(_service(render(values))):
+        assert _env(template["spec"]["containers"][0]) == expected
+
+
+@pytest.mark.parametrize("mode", list(ServingMode))
+def test_the_prefix_aware_router_gets_the_request_body_from_haproxy(mode: ServingMode) -> None:
+    values = {"tokenflow": {"serving_mode": mode.value,
+                            "deployment": {"request_router": "prefix_aware"}}}
+    expected = {**_serving_env(mode), **body_forwarding(mode, True)}
+    assert (FORWARD_BODY in expected) == (mode is ServingMode.HAPROXY)
     for template in _pod_templates(_service(render(values))):
         assert _env(template["spec"]["containers"][0]) == expected
 

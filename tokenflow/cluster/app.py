@@ -57,9 +57,18 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
         options["placement_group_bundles"] = replica_bundles(engine,
                                                              deployment.ray_actor_options)
         options["placement_group_strategy"] = parallel.placement_strategy
+    if deployment.request_router == "prefix_aware":
+        model = engine.model
+        options["request_router_config"] = {
+            "request_router_class": "tokenflow.cluster.prefix_router:PrefixAwareRouter",
+            "request_router_kwargs": {
+                "block_size": engine.cache.block_size,
+                "tokenizer": model.tokenizer or model.model,
+                "imbalanced_threshold": deployment.router_imbalanced_threshold},
+            # The replicas' own load reports, for when Serve has no queue length at hand.
+            "request_routing_stats_period_s": 2.0}
     if deployment.autoscaling_config is not None:
-        options["autoscaling_config"] = deployment.autoscaling_config.model_dump(
-            exclude_none=True)
+        options["autoscaling_config"] = deployment.autoscaling_config.serve_options()
     else:
         options["num_replicas"] = deployment.num_replicas
     return options
@@ -71,7 +80,8 @@ def bind_app(config: AppConfig) -> serve.Application:
     request router that picks its replica); when disaggregated, the decode LLMServer is bound
     to its prefill deployment."""
     mode = config.serving_mode
-    check_cluster_env(mode)
+    # A router that reads the prompt needs it from HAProxy.
+    check_cluster_env(mode, config.deployment.request_router == "prefix_aware")
     engine_args = config.engine.model_dump(mode="json")
     prefill = None
     if config.prefill is not None:

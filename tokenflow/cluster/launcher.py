@@ -83,7 +83,7 @@ def _port_answers(host: str, port: int) -> bool:
         return False
 
 
-def _start_ray(observe: ObserveOptions, mode: ServingMode) -> bool:
+def _start_ray(observe: ObserveOptions, mode: ServingMode, forward_body: bool) -> bool:
     """Join RAY_ADDRESS if set, else start a new local cluster set up for `mode`; True if we
     started it."""
     import ray
@@ -93,7 +93,8 @@ def _start_ray(observe: ObserveOptions, mode: ServingMode) -> bool:
         ray.init(address=address, log_to_driver=False)
         return False
     observe.export_env()  # read by the dashboard process that ray.init starts
-    apply_cluster_env(mode)  # Serve's switches, read by every process of the new cluster
+    # Serve's switches, read by every process of the new cluster.
+    apply_cluster_env(mode, forward_body)
     # "local": a new cluster of our own, even if Ray's temp dir names a running one.
     context = ray.init(address="local", log_to_driver=False, **observe.ray_init_kwargs())
     for line in describe(observe, context.dashboard_url):
@@ -263,7 +264,8 @@ def serve_main(args: argparse.Namespace) -> int:
         if not joining:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
-        started_ray = _start_ray(observe, config.serving_mode)
+        started_ray = _start_ray(observe, config.serving_mode,
+                                 config.deployment.request_router == "prefix_aware")
         _refuse_to_replace(started_ray)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenflow.cluster.autoscaling import RecentTTFT, replica_stats
 from tokenflow.cluster.messages import (
     Accepted,
     Finished,
@@ -90,6 +91,7 @@ class LLMServer:
         self._stream_interval_s = stream_interval_s
         self.engine = AsyncEngine(config)
         self.metrics = ServerMetrics(self.engine.model_name)
+        self._recent_ttft = RecentTTFT()  # for the autoscaling policy's SLO signal
         # Set while unpaused: a paused decode replica sends no new prefills (see `pause`).
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -227,6 +229,8 @@ class LLMServer:
             async for outs in batches:
                 finished = False
                 for out in outs:
+                    if not tally.tokens_per_seq:
+                        self._first_token(out, received_time)
                     tally.add(out)
                     held.extend(self._delta(0, c, out.error) for c in out.outputs)
                     if out.finished:
@@ -252,6 +256,8 @@ class LLMServer:
         """Move one engine stream's deltas onto the merged queue; None marks its end."""
         try:
             async for out in self.engine.generate(processed):
+                if not tally.tokens_per_seq:
+                    self._first_token(out, received_time)
                 tally.add(out)
                 queue.put_nowait([self._delta(base_index, c, out.error) for c in out.outputs])
                 if out.finished:
@@ -272,6 +278,11 @@ class LLMServer:
         return SeqDelta(base_index + c.index, c.text, list(c.token_ids), logprobs,
                         c.finish_reason, error if c.finish_reason == "error" else None,
                         stop_reason=c.stop_reason)
+
+    def _first_token(self, out: RequestOutput, received_time: float | None) -> None:
+        m = out.metrics
+        if m is not None and m.first_token_time is not None:
+            self._recent_ttft.observe(m.first_token_time - (received_time or m.arrival_time))
 
     def _record(self, out: RequestOutput, tally: _Tally, received_time: float | None) -> None:
         m = out.metrics
@@ -333,6 +344,14 @@ class LLMServer:
         import ray
 
         return ray.util.get_node_ip_address()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook for autoscaling policies (`cluster.autoscaling`): requests running and
+        waiting in the engine, KV-cache usage, and the recent TTFT."""
+        stats = self.engine.stats
+        num_free, num_blocks = self.engine.kv_cache
+        return replica_stats(stats.num_running_reqs, stats.num_waiting_reqs,
+                             1 - num_free / num_blocks, self._recent_ttft)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook for request routers: the same load figures as `stats`."""

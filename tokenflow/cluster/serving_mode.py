@@ -80,8 +80,17 @@ def switches(mode: ServingMode) -> dict[str, str]:
     return {name: _SWITCHES[mode].get(name, "0") for name in _ALL_SWITCHES}
 
 
-def cluster_env(mode: ServingMode) -> dict[str, str]:
-    """The environment a new Ray cluster needs for `mode`.
+# HAProxy sends the request body to the ingress request router only when asked (a router that
+# routes on the prompt needs it), in a buffer this big per connection: a longer body arrives
+# truncated and the router balances on load alone. Ray's default, 8 MiB, would let a few
+# hundred connections take gigabytes.
+FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
+_BUFSIZE, _ROUTER_BUFSIZE = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", str(256 * 1024)
+
+
+def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
+    """The environment a new Ray cluster needs for `mode` (with `forward_body`, for a request
+    router that reads the request: in the `haproxy` mode HAProxy must send it the body).
 
     For HAProxy this also gives the cluster its own HAProxy files and admin ports: Ray's
     defaults (/tmp/haproxy-serve, ports 8404 and 9101) are machine-wide, so two clusters on
@@ -101,21 +110,32 @@ def cluster_env(mode: ServingMode) -> dict[str, str]:
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_NBTHREAD": str(min(2, os.cpu_count() or 1)),
         })
-    return env
+    return {**env, **body_forwarding(mode, forward_body)}
 
 
-def apply_cluster_env(mode: ServingMode) -> dict[str, str]:
-    """Put `cluster_env(mode)` into this process's environment (before `ray.init` starts a
-    cluster, whose processes inherit it); returns what was set."""
-    env = cluster_env(mode)
+def body_forwarding(mode: ServingMode, forward_body: bool) -> dict[str, str]:
+    """The switches that send the request body to the ingress request router (the `haproxy`
+    mode, when `forward_body`), the buffer's size a default."""
+    if mode is not ServingMode.HAPROXY or not forward_body:
+        return {}
+    return {FORWARD_BODY: "1", _BUFSIZE: os.environ.get(_BUFSIZE, _ROUTER_BUFSIZE)}
+
+
+def apply_cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
+    """Put `cluster_env(mode, forward_body)` into this process's environment (before
+    `ray.init` starts a cluster, whose processes inherit it); returns what was set."""
+    env = cluster_env(mode, forward_body)
     os.environ.update(env)
     return env
 
 
-def check_cluster_env(mode: ServingMode) -> None:
+def check_cluster_env(mode: ServingMode, forward_body: bool = False) -> None:
     """Raise if this process's environment (a driver's, or the Ray task that builds an app for
-    `serve deploy`, which inherits its node's) lacks or contradicts `mode`'s switches."""
-    wrong = [f"{name}={value}" for name, value in switches(mode).items()
+    `serve deploy`, which inherits its node's) lacks or contradicts `mode`'s switches (and,
+    with `forward_body`, HAProxy's body forwarding)."""
+    wanted = {**switches(mode), **body_forwarding(mode, forward_body)}
+    wanted.pop(_BUFSIZE, None)  # a size, not a switch
+    wrong = [f"{name}={value}" for name, value in wanted.items()
              if os.environ.get(name, "0") != value]
     if wrong:
         raise ValueError(f"serving_mode {mode.value!r} needs the Ray cluster started with "

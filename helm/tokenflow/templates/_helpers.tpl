@@ -131,4 +131,11 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "1000"
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
+{{- $router := (.Values.tokenflow.deployment | default dict).request_router | default "power_of_two" }}
+{{- if and (eq $mode "haproxy") (eq $router "prefix_aware") }}
+- name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
+  value: "1"
+- name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
+  value: "262144"
+{{- end }}
 {{- end -}}

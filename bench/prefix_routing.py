@@ -1,0 +1,116 @@
+"""Prefix-aware routing against Serve's power of two choices, side by side in one run, on a
+shared-prefix workload: many users, a few long system prompts, two replicas.
+
+Each router gets a fresh `tokenflow serve` (its own Ray cluster, the default serving mode) with
+two LLMServer replicas of `--config` (the model replaced by `--model`; `--num-blocks` KV blocks
+each: by default room for about half of the system prompts, so a replica that is sent all of
+them keeps evicting them), then the same seeded trace (`bench.datasets.multi_prefix_requests`)
+at `--concurrency` requests in flight. Reported per router: the prefix-cache hit rate (cached
+prompt tokens over prompt tokens, from each response's usage), output throughput and TTFT;
+then prefix-aware over power of two. Writes JSON only where `--out` says.
+
+    python bench/prefix_routing.py
+    python bench/prefix_routing.py --num-prefixes 8 --prefix-len 400 --num-prompts 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.datasets import multi_prefix_requests, random_requests  # noqa: E402
+from bench.serve import http_send_fn, run_benchmark  # noqa: E402
+from bench.serve_overhead import Server  # noqa: E402
+from tokenflow.config import load_app_config  # noqa: E402
+
+ROUTERS = ("prefix_aware", "power_of_two")
+
+
+async def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    requests = multi_prefix_requests(args.num_prompts, args.num_prefixes, args.prefix_len,
+                                     args.suffix_len, args.output_len, args.seed)
+    async with http_send_fn(server.url, "completions", args.model) as send:
+        # Unrelated prompts first (connections, tokenizer, allocator), not measured.
+        await run_benchmark(send, random_requests(8, 16, 4, args.seed + 1), math.inf, 4,
+                            progress=False)
+        send.prompt_tokens = send.cached_tokens = 0
+        result = await run_benchmark(send, requests, math.inf, args.concurrency, args.seed,
+                                     progress=False)
+        hit_rate = send.cached_tokens / max(send.prompt_tokens, 1)
+    return {"hit_rate": hit_rate, "result": result.to_dict(per_request=False),
+            "summary": result.summary_line()}
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| router | prefix-cache hit rate | output tok/s | req/s | TTFT p50 ms | "
+             "TTFT p90 ms | failed |", "|---|---|---|---|---|---|---|"]
+    for router, r in results.items():
+        res = r["result"]
+        lines.append(f"| {router} | {100 * r['hit_rate']:.0f}% | "
+                     f"{res['output_throughput']:.1f} | {res['request_throughput']:.2f} | "
+                     f"{res['ttft_ms']['p50']:.0f} | {res['ttft_ms']['p90']:.0f} | "
+                     f"{res['failed']} |")
+    if set(ROUTERS) <= set(results):
+        ours, theirs = results["prefix_aware"]["result"], results["power_of_two"]["result"]
+        lines += ["", f"prefix_aware / power_of_two: throughput "
+                      f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+                      f"TTFT p50 {ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:.2f}x "
+                      f"({100 * (1 - ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']):.0f}% "
+                      "lower)"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/local.yaml")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    p.add_argument("--num-prompts", type=int, default=160)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=400, help="words per system prompt")
+    p.add_argument("--suffix-len", type=int, default=16, help="words of each user's own part")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-blocks", type=int, default=256,
+                   help="KV blocks per replica (of 16 tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the result JSON to this file")
+    args = p.parse_args(argv)
+    base = load_app_config(args.config).model_dump(mode="json", exclude_unset=True)
+    base["engine"]["model"] = {"model": args.model, "num_threads": 1}
+    base["engine"].setdefault("cache", {})["num_blocks"] = args.num_blocks
+    log_dir = Path(tempfile.mkdtemp(prefix="prefix-routing-"))
+    print(f"server logs in {log_dir}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for router in args.routers:
+        config = json.loads(json.dumps(base))
+        config["deployment"] = {**config.get("deployment", {}), "num_replicas": 2,
+                                "request_router": router,
+                                "ray_actor_options": {"num_cpus": 0.5}}
+        server = Server(config, log_dir / f"{router}.log")
+        try:
+            server.wait_ready()
+            results[router] = asyncio.run(measure(server, args))
+        finally:
+            server.stop()
+        print(f"  {router:<13} hit rate {100 * results[router]['hit_rate']:.0f}% | "
+              f"{results[router]['summary']}", flush=True)
+    print()
+    print(report(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": vars(args), "results": results},
+                                             indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
