@@ -88,9 +88,10 @@ async def run_trace(server: Server, args: argparse.Namespace
     requests = random_requests(len(trace), args.input_len, args.output_len, args.seed)
     timeline: list[tuple[float, int]] = []
     async with http_send_fn(server.url, "completions", args.model) as send:
-        # A few requests first: connections, tokenizer and allocator warm, not measured.
-        await asyncio.gather(*(_measure(send, r, 300, time.perf_counter())
-                               for r in random_requests(4, args.input_len, 8, args.seed + 1)))
+        # Two requests first, one at a time (not enough to scale on): connections, tokenizer
+        # and allocator warm, not measured.
+        for r in random_requests(2, args.input_len, 8, args.seed + 1):
+            await _measure(send, r, 300, time.perf_counter())
         stop = asyncio.Event()
         t0 = time.perf_counter()
         sampler = asyncio.create_task(sample_replicas(server, t0, timeline, stop))
@@ -101,9 +102,11 @@ async def run_trace(server: Server, args: argparse.Namespace
                 await asyncio.sleep(delay)
             tasks.append((phase, asyncio.create_task(_measure(send, request, 600, t0))))
         results = [(phase, await task) for phase, task in tasks]
-        # Watch the count come back down after the trace (the downscale delay and the drain).
-        deadline = time.perf_counter() + args.settle_s
-        while time.perf_counter() < deadline and count_replicas(server) > 1:
+        # Watch the count come back down after the trace (the downscale delay and the drain):
+        # until it has read 1 three times running, or --settle-s.
+        deadline, ones = time.perf_counter() + args.settle_s, 0
+        while time.perf_counter() < deadline and ones < 3:
+            ones = ones + 1 if count_replicas(server) <= 1 else 0
             await asyncio.sleep(0.5)
         stop.set()
         await sampler
@@ -114,7 +117,8 @@ def summarize(policy: str, results: list[tuple[int, RequestResult]],
               timeline: list[tuple[float, int]], args: argparse.Namespace) -> dict[str, Any]:
     step_up = args.phases[0].duration_s
     step_down = step_up + args.phases[1].duration_s if len(args.phases) > 1 else None
-    up = next((t - step_up for t, n in timeline if t >= step_up and n >= 2), None)
+    # Seconds from the step to a second replica (negative: it came before the step).
+    up = next((t - step_up for t, n in timeline if n >= 2), None)
     down = (next((t - step_down for t, n in timeline if t >= step_down and n <= 1), None)
             if step_down is not None else None)
     replica_s = sum(n * (t_next - t)
@@ -145,7 +149,8 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 
 
 def report(summaries: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"TTFT SLO {args.slo_s:g} s; a second replica counts from its process start",
+    lines = [f"TTFT SLO {args.slo_s:g} s; a second replica counts from its process start "
+             "(negative: before the step)",
              "", "| policy | scale up after s | back to 1 after s | replica-s | "
              "SLO met (all) | per phase: SLO met, TTFT p50 / p90 s | errors |",
              "|---|---|---|---|---|---|---|"]

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--suffix-len", type=int, default=16, help="words of each user's own part")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-blocks", type=int, default=256,
-                   help="KV blocks per replica (of 16 tokens)")
+    p.add_argument("--num-blocks", type=int, default=160,
+                   help="KV blocks per replica, of 16 tokens (default 160: room for about half "
+                        "of the default system prompts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)

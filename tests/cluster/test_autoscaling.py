@@ -61,6 +61,11 @@ def test_scale_down_keeps_headroom_and_never_flaps() -> None:
     for running in (5, 6, 7, 8):
         assert POLICY.desired_replicas(1, Signals(running, 0, 0.3, 0.3)) == 1
     assert POLICY.desired_replicas(2, Signals(10, 0, 0.3, 0.3)) == 2
+    # TTFT has a floor no replica count lowers: it blocks a scale-down only when it is near
+    # its SLO, and over the SLO it asks for one more replica, not for ttft/slo times as many.
+    assert POLICY.desired_replicas(2, Signals(1, 0, 0.1, 0.8)) == 2
+    assert POLICY.desired_replicas(2, Signals(1, 0, 0.1, 0.5)) == 1
+    assert POLICY.desired_replicas(1, Signals(1, 0, 0.1, 5.0)) == 2
     # Waiting requests never let a replica go; idle goes to Serve's min_replicas.
     assert POLICY.desired_replicas(2, Signals(1, 1, 0.1, 0.1)) == 2
     assert POLICY.desired_replicas(3, Signals(0, 0, 0.0, 0.0)) == 0

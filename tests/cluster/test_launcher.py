@@ -91,11 +91,12 @@ def test_serve_starts_its_own_cluster_and_stops_only_what_it_started(env: dict[s
             assert head.poll() is None and time.monotonic() < deadline, "ray start failed"
             time.sleep(0.5)
         port1, port2 = free_port(), free_port()
+        # Both at once: each starts a cluster of its own, whatever the other does.
         first = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port",
                               str(port1)], env)
-        first.wait_for(READY)
         second = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port",
                                str(port2)], env)
+        first.wait_for(READY)
         second.wait_for(READY)
         assert _answers(port1) and _answers(port2)
         # Each server runs its own cluster: its own raylet, not the `ray start` one.

@@ -10,8 +10,10 @@ policy (`autoscaling_config.policy`), turns them into a replica count each contr
 Serve's wrapper around every custom policy then applies min/max replicas and the upscale and
 downscale delays (a decision must hold that long before it is carried out).
 
-Up: any one signal over its target asks for more replicas. Down: only to a count at which every
-signal would stay under `downscale_headroom` times its target. The gap between the two is what
+Up: any one signal over its target asks for more replicas (as many as the requests and KV blocks
+need, or one more for a queue or a TTFT over its SLO). Down: only while nothing waits and TTFT
+is under `downscale_headroom` times its SLO, and only to a count at which the requests and KV
+blocks would stay under `downscale_headroom` times their targets. The gap between the two is what
 keeps the count from flapping; `downscale_delay_s` is the quiet period.
 """
 
@@ -107,21 +109,22 @@ class LLMAutoscalingPolicy:
 
     def desired_replicas(self, n: int, s: Signals) -> float:
         """The replica count `s` asks for, with `n` replicas running now."""
-        # How many replicas each signal says the load needs (at its target exactly).
-        needs = [(s.running + s.waiting) / self.target_ongoing_requests,
-                 n * s.kv_usage / self.target_kv_cache_usage]
-        if self.ttft_slo_s is not None:
-            needs.append(n * s.ttft_s / self.ttft_slo_s)
-        need = max(needs)
-        # A queue the running requests do not drain: at least one more replica, whatever the
-        # other signals say (waiting requests get no TTFT until they run).
-        if s.waiting > self.max_waiting_per_replica * n:
+        # How many replicas the load needs at its target exactly: requests and KV blocks
+        # spread over the replicas.
+        need = max((s.running + s.waiting) / self.target_ongoing_requests,
+                   n * s.kv_usage / self.target_kv_cache_usage)
+        # TTFT and a queue say "more", not how many (TTFT has a floor, the prefill itself,
+        # that no replica count lowers): one more replica per decision.
+        over_slo = self.ttft_slo_s is not None and s.ttft_s > self.ttft_slo_s
+        if over_slo or s.waiting > self.max_waiting_per_replica * n:
             need = max(need, n + 1)
         if need > n:
             return float(math.ceil(need))
-        # Down only as far as every signal stays under the headroom: a count just at the
-        # target would be back over it with the next burst.
-        # min_replicas (Serve's bound) decides whether an idle deployment goes to zero.
-        down = math.ceil(need / self.downscale_headroom - 1e-9) if s.waiting == 0 else n
-        return float(min(n, down))
-
+        # Down only while nothing waits and TTFT is well inside its SLO, and only as far as
+        # every signal stays under the headroom: a count just at the target would be back over
+        # it with the next burst. min_replicas (Serve's bound) decides whether an idle
+        # deployment goes to zero.
+        slack = self.ttft_slo_s is None or s.ttft_s <= self.downscale_headroom * self.ttft_slo_s
+        if s.waiting > 0 or not slack:
+            return float(n)
+        return float(min(n, math.ceil(need / self.downscale_headroom - 1e-9)))

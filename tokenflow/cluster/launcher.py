@@ -13,6 +13,7 @@ are printed (`cluster.observe`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -306,9 +307,24 @@ def _run(config: AppConfig, started_ray: bool,
         _say("shutting down ...")
         return 0
     finally:
-        if cluster_alive:
-            _shut_down(started_ray, deployed)
+        if not cluster_alive:
+            _abandon_dead_cluster()
+        _shut_down(started_ray, deployed)
         ray.shutdown()
+
+
+def _abandon_dead_cluster() -> None:
+    """Exit now, with status 1, when Ray died under us: any Ray call from here on (ours, or
+    one of Serve's background threads at interpreter exit) would start a new local instance or
+    wait a minute for the dead GCS. What is left of the processes we started goes too."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _shut_down(started_ray: bool, deployed: bool) -> None:
