@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.datasets import random_requests  # noqa: E402
-from bench.serve import RequestResult, _measure, http_send_fn  # noqa: E402
+from bench.serve import RequestResult, http_send_fn, measure_request  # noqa: E402
 from bench.serve_overhead import Server, role_of  # noqa: E402
 from tokenflow.config import load_app_config  # noqa: E402
 
@@ -91,7 +91,7 @@ async def run_trace(server: Server, args: argparse.Namespace
         # Two requests first, one at a time (not enough to scale on): connections, tokenizer
         # and allocator warm, not measured.
         for r in random_requests(2, args.input_len, 8, args.seed + 1):
-            await _measure(send, r, 300, time.perf_counter())
+            await measure_request(send, r, 300, time.perf_counter())
         stop = asyncio.Event()
         t0 = time.perf_counter()
         sampler = asyncio.create_task(sample_replicas(server, t0, timeline, stop))
@@ -100,7 +100,7 @@ async def run_trace(server: Server, args: argparse.Namespace
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append((phase, asyncio.create_task(_measure(send, request, 600, t0))))
+            tasks.append((phase, asyncio.create_task(measure_request(send, request, 600, t0))))
         results = [(phase, await task) for phase, task in tasks]
         # Watch the count come back down after the trace (the downscale delay and the drain):
         # until it has read 1 three times running, or --settle-s.

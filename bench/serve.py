@@ -171,7 +171,7 @@ async def run_benchmark(
 
     async def one(request: BenchRequest) -> RequestResult:
         async with limit:
-            result = await _measure(send_fn, request, request_timeout_s, t0)
+            result = await measure_request(send_fn, request, request_timeout_s, t0)
         bar.update(1)
         return result
 
@@ -187,8 +187,10 @@ async def run_benchmark(
     return summarize(list(results), duration, request_rate, max_concurrency)
 
 
-async def _measure(send_fn: SendFn, request: BenchRequest, timeout_s: float,
-                   t0: float) -> RequestResult:
+async def measure_request(send_fn: SendFn, request: BenchRequest, timeout_s: float,
+                          t0: float) -> RequestResult:
+    """Send one request and time its stream (`start` relative to `t0`); a failure or a
+    timeout is recorded in the result, never raised."""
     result = RequestResult(prompt_len=request.prompt_len)
     start = time.perf_counter()
     result.start = start - t0

@@ -202,15 +202,86 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
         server.stop()
 
 
+def _replica_processes(server: ServeProcess) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if "ServeReplica:tokenflow:LLMServer" in " ".join(p.cmdline())]
+
+
+def _streams(url: str, num: int, max_tokens: int, on_progress: Any = None
+             ) -> list[tuple[str, list[str], int]]:
+    """`num` greedy streams at once; each one's (text, tokens from its logprobs, usage's
+    completion tokens). `on_progress(tokens_so_far)` runs in the caller's thread meanwhile."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    progress = [0] * num
+
+    def one(i: int) -> tuple[str, list[str], int]:
+        text, tokens, used = "", [], 0
+        for chunk in client.completions.create(
+                model=MODEL, prompt=f"stream {i} of the resume test", max_tokens=max_tokens,
+                temperature=0, logprobs=1, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True}):
+            if chunk.usage is not None:
+                used = chunk.usage.completion_tokens
+            if chunk.choices:
+                text += chunk.choices[0].text
+                tokens += (chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs
+                           else [])
+                progress[i] = len(tokens)
+        return text, tokens, used
+
+    with concurrent.futures.ThreadPoolExecutor(num) as pool:
+        futures = [pool.submit(one, i) for i in range(num)]
+        while on_progress is not None and not all(f.done() for f in futures):
+            if on_progress(list(progress)):
+                on_progress = None
+            time.sleep(0.05)
+        return [f.result() for f in futures]
+
+
 @pytest.mark.slow
-def test_proxy_ingress_answers_for_a_dead_replica_with_a_503(tmp_path: Path) -> None:
-    """With a separate ingress, a replica process that dies mid-request is the ingress's 503
-    with Retry-After in OpenAI's shape (the client's cue to retry)."""
-    server, url = _start(ServingMode.PROXY_INGRESS, 1, tmp_path)
+def test_proxy_ingress_resumes_streams_whose_replica_dies(tmp_path: Path) -> None:
+    """Kill one of 2 replicas under 16 greedy streams: each stream goes on on the other one and
+    ends token-identical to an uninterrupted run. A request that cannot resume (n=2) gets the
+    ingress's 503 with Retry-After in OpenAI's shape instead."""
+    server, url = _start(ServingMode.PROXY_INGRESS, 2, tmp_path)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
-        body = {"model": MODEL, "prompt": "once", "max_tokens": 200, "ignore_eos": True}
+        uninterrupted = _streams(url, 16, 60)
+        assert all(used == 60 and len(tokens) == 60 for _, tokens, used in uninterrupted)
+
+        killed: list[int] = []
+
+        def kill_a_busy_replica(progress: list[int]) -> bool:
+            if min(progress) < 5:
+                return False  # every stream has started and is mid-way
+            replicas = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
+            busy = max(replicas["replicas"], key=lambda r: r["running"])
+            [victim] = [p for p in _replica_processes(server) if p.pid == busy["pid"]]
+            killed.append(busy["running"])
+            victim.kill()  # a process this test started (through tokenflow serve)
+            return True
+
+        resumed = _streams(url, 16, 60, on_progress=kill_a_busy_replica)
+        assert killed and killed[0] > 0, "no stream was running on the killed replica"
+        for i, ((text, tokens, used), (text0, tokens0, used0)) in enumerate(
+                zip(resumed, uninterrupted, strict=True)):
+            first = next((j for j, (a, b) in enumerate(zip(tokens, tokens0, strict=False))
+                          if a != b), None)
+            assert (len(tokens), first, used) == (len(tokens0), None, used0), (i, tokens)
+            assert text == text0, i
+
+        # n=2 cannot resume: with every replica gone, the ingress answers a 503. First the
+        # killed replica's replacement.
+        deadline = time.monotonic() + 120
+        while True:
+            status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30)
+            if status.status_code == 200 and len(status.json()["replicas"]) == 2:
+                break
+            assert time.monotonic() < deadline, status.text
+            time.sleep(0.5)
+        body = {"model": MODEL, "prompt": "twice", "max_tokens": 200, "n": 2,
+                "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             request = pool.submit(httpx.post, f"{url}/v1/completions", json=body,
                                   headers=auth, timeout=120)
@@ -218,9 +289,8 @@ def test_proxy_ingress_answers_for_a_dead_replica_with_a_503(tmp_path: Path) -> 
                     f"{url}/is_paused", headers=auth, timeout=30).json()["replicas"]):
                 assert not request.done(), request.result().text
                 time.sleep(0.05)
-            [replica] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                         if "ServeReplica:tokenflow:LLMServer" in " ".join(p.cmdline())]
-            replica.kill()  # a process this test started (through tokenflow serve)
+            for replica in _replica_processes(server):
+                replica.kill()
             resp = request.result()
         assert resp.status_code == 503, resp.text
         assert int(resp.headers["retry-after"]) > 0

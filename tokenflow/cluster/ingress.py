@@ -2,8 +2,10 @@
 
 The routes are `openai_serving.build_openai_app`; this module only supplies their backend, the
 `LLMServer` replicas behind a DeploymentHandle, and translates Ray's failures into what an HTTP
-client can act on: a dead or unreachable replica is a 503 with `Retry-After` (the client may
-retry), an overloaded deployment (Serve's `max_queued_requests`) likewise.
+client can act on. A request whose replica dies mid-stream goes on on another replica
+(`cluster.resume`) where it can; otherwise a dead or unreachable replica is a 503 with
+`Retry-After` (the client may retry), an overloaded deployment (Serve's `max_queued_requests`)
+likewise.
 
 The admin routes (`/pause`, `/resume`, `/is_paused`) reach every `LLMServer` replica with
 `DeploymentHandle.broadcast`: all replicas running when the call is made. Serve starts a new
@@ -23,9 +25,10 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from tokenflow.cluster.errors import service_unavailable
+from tokenflow.cluster.errors import OpenAIError, service_unavailable
 from tokenflow.cluster.messages import StreamEvent
 from tokenflow.cluster.openai_serving import OpenAIServing, build_openai_app
+from tokenflow.cluster.resume import ResumingStream
 from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.sampling_params import SamplingParams
 
@@ -37,8 +40,15 @@ ADMIN_TIMEOUT_S = 30
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, DeploymentUnavailableError)
 
 
+def _replica_gone(exc: BaseException) -> OpenAIError:
+    return service_unavailable(
+        f"the model replica serving this request stopped ({type(exc).__name__}); retry the "
+        "request", REPLICA_GONE_RETRY_S)
+
+
 class _HandleStream:
-    """One request's stream from an `LLMServer` replica, with Ray's errors made HTTP's."""
+    """One request's stream from one `LLMServer` replica, Serve's overload made HTTP's (a dead
+    replica's errors go up as they are: `ResumingStream` decides what they become)."""
 
     def __init__(self, response: DeploymentResponseGenerator) -> None:
         self._response = response
@@ -52,10 +62,6 @@ class _HandleStream:
         except BackPressureError as exc:
             raise service_unavailable(f"the server is overloaded, retry later: {exc}",
                                       OVERLOADED_RETRY_S) from exc
-        except _REPLICA_GONE as exc:
-            raise service_unavailable(
-                f"the model replica serving this request stopped ({type(exc).__name__}); "
-                "retry the request", REPLICA_GONE_RETRY_S) from exc
 
     def cancel(self) -> None:
         self._response.cancel()
@@ -70,9 +76,17 @@ class _HandleBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  priority: int, received_time: float,
-                 kv_transfer_params: dict[str, Any] | None = None) -> _HandleStream:
-        return _HandleStream(self._streaming.generate.remote(
-            prompts, params, request_id, priority, received_time, kv_transfer_params))
+                 kv_transfer_params: dict[str, Any] | None = None) -> ResumingStream:
+        """The request's stream; should its replica die mid-stream, it goes on on another
+        (`cluster.resume`), unless it carries KV-transfer parameters (a P/D leg)."""
+        def open_stream(prompts: list[list[int]], params: SamplingParams, request_id: str,
+                        transfer: dict[str, Any] | None) -> _HandleStream:
+            return _HandleStream(self._streaming.generate.remote(
+                prompts, params, request_id, priority, received_time,
+                transfer or kv_transfer_params))
+
+        return ResumingStream(open_stream, prompts, params, request_id, _REPLICA_GONE,
+                              _replica_gone, enabled=kv_transfer_params is None)
 
     async def model_info(self) -> dict[str, Any]:
         return await self._server.model_info.remote()

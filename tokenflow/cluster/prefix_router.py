@@ -121,7 +121,7 @@ class PromptBlocks:
             if isinstance(prompt, list) and prompt:
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return self._renderer.tokenizer.encode(prompt)
+                return self._renderer.tokenize(prompt, None)
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 return prompt
         except Exception:  # noqa: BLE001 - a bad body is the replica's to refuse, not ours

@@ -666,14 +666,15 @@ class PauseRequest(_Request):
 
 
 class ReplicaPauseStatus(BaseModel):
-    """One LLMServer replica: its pause state, whether it is idle (nothing it may run is left)
-    and its running and waiting requests."""
+    """One LLMServer replica: its pause state, whether it is idle (nothing it may run is left),
+    its running and waiting requests, and its process id (on its node)."""
 
     replica: str | None = None
     state: Literal["unpaused", "paused_new", "paused_all"]
     idle: bool
     running: int
     waiting: int
+    pid: int | None = None
 
 
 class PauseStatusResponse(BaseModel):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -316,10 +317,11 @@ class LLMServer:
 
     def pause_status(self) -> dict[str, Any]:
         """This replica's pause state, whether it is idle (nothing it may run is left: drained,
-        when paused with PAUSED_NEW) and its running and waiting requests."""
+        when paused with PAUSED_NEW), its running and waiting requests, and its process."""
         running, waiting = self.engine.request_counts
         return {"replica": _replica_id(), "state": self.engine.pause_state.value,
-                "idle": self.engine.is_idle(), "running": running, "waiting": waiting}
+                "idle": self.engine.is_idle(), "running": running, "waiting": waiting,
+                "pid": os.getpid()}
 
     # ------------------------------------------------------------------- health and load
     def check_health(self) -> None:
