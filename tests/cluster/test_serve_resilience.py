@@ -88,8 +88,10 @@ def _replica_actor(app_name: str) -> Any:
 
 def test_a_dead_replica_fails_its_request_and_serve_replaces_it(small_app: App) -> None:
     """In the default mode (haproxy) nothing stands between the client and the replica
-    process, so when it dies the request in flight loses its connection, without a response
-    (as the README says); Serve then brings up a new replica and the same request succeeds.
+    process, so when it dies the request in flight fails with what HAProxy makes of the lost
+    backend (as the README says): its connection closed without a response, or HAProxy's own
+    500 (Serve's config turns HAProxy's 502 into a 500). Serve then brings up a new replica and
+    the same request succeeds.
     (The separate-ingress modes answer with an OpenAI 503 instead: test_serving_modes.py.)"""
     url = small_app.base_url + "/v1/completions"
     body = {"model": MODEL, "prompt": "once", "max_tokens": 600, "ignore_eos": True}
@@ -110,7 +112,8 @@ def test_a_dead_replica_fails_its_request_and_serve_replaces_it(small_app: App) 
     ray.kill(_replica_actor(SMALL_APP), no_restart=True)
     request.join(timeout=120)
     outcome = result["r"]
-    assert isinstance(outcome, httpx.RemoteProtocolError), outcome
+    assert (isinstance(outcome, httpx.RemoteProtocolError)
+            or (isinstance(outcome, httpx.Response) and outcome.status_code == 500)), outcome
     # Serve brings a new replica up; the same request then succeeds. Meanwhile HAProxy
     # answers by itself (its router has no replica to name, or the old one's port is gone).
     deadline = time.monotonic() + 180
