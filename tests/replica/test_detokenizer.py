@@ -199,3 +199,26 @@ def test_bytes_that_never_complete_are_released(tok: CountingTokenizer) -> None:
     assert text and set(text) == {"\ufffd"}
     assert tok.max_decoded <= 40
     assert text + det.flush() == tok.decode([lead] * 100)
+
+
+def test_text_depends_on_the_tokens_not_on_how_they_were_pushed(tok: Tokenizer) -> None:
+    """A resumed request replays the tokens it arrives with in one push and must then stand
+    where the original, fed a token a step, stood: the same text emitted and the same held
+    back, also across a run of bytes long enough to be cut (each cut decodes to U+FFFD)."""
+    rng = random.Random(11)
+    byte_ids = _byte_token_ids(tok)
+    lead = byte_ids[0xE6]
+    for _ in range(40):
+        ids = _random_stream(tok, rng)
+        at = rng.randrange(len(ids))
+        ids[at:at] = [lead if rng.random() < 0.5 else byte_ids[rng.randrange(0x80, 0x100)]
+                      for _ in range(rng.randrange(20, 80))]
+        one = IncrementalDetokenizer(tok, stop=["\n\n"])
+        emitted = [""]
+        for t in ids:
+            emitted.append(emitted[-1] + one.push([t]))
+        whole = emitted[-1] + one.flush()
+        for k in (rng.randrange(len(ids)) for _ in range(5)):
+            det = IncrementalDetokenizer(tok, stop=["\n\n"])
+            assert det.push(ids[:k]) == emitted[k], k
+            assert emitted[k] + "".join(_push_in_chunks(det, ids[k:], rng)) == whole, k

@@ -67,10 +67,26 @@ class IncrementalDetokenizer:
         return self._ids[self._num_prompt_ids :]
 
     def push(self, new_token_ids: list[int]) -> str:
-        """Add tokens; return the text that became final. Nothing after a stop string."""
+        """Add tokens; return the text that became final. Nothing after a stop string.
+
+        Tokens are taken one at a time, so the text emitted depends only on the token sequence,
+        never on how it was split into pushes (speculative steps, a resumed request replaying
+        the tokens it arrives with): where a window is cut, and so how many U+FFFD a run of
+        bytes that are not UTF-8 decodes to, is the same either way."""
         if self.finished or not new_token_ids:
             return ""
-        self._ids.extend(new_token_ids)
+        if len(new_token_ids) == 1:
+            return self._push_one(new_token_ids[0])
+        pieces = []
+        for i, token_id in enumerate(new_token_ids):
+            pieces.append(self._push_one(token_id))
+            if self.finished:  # a stop string: the rest only joins the ids
+                self._ids.extend(new_token_ids[i + 1:])
+                break
+        return "".join(pieces)
+
+    def _push_one(self, token_id: int) -> str:
+        self._ids.append(token_id)
         self._held += self._decode_step(final=False)
         return self._emit(final=False)
 
