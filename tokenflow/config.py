@@ -70,6 +70,8 @@ class SchedulerConfig(_Frozen):
     # 0 disables the cap; otherwise no request prefills more than this many tokens in one step.
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     policy: str = "fcfs"
+    # A streaming-input session idle this long after its turn ends frees its KV blocks.
+    session_idle_timeout_s: float = Field(default=60.0, gt=0)
     # "module:Class" of another scheduler with the same interface.
     scheduler_cls: str | None = None
 

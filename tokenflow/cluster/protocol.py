@@ -33,6 +33,7 @@ from pydantic import (
 
 from tokenflow.cluster.errors import bad_request, from_validation_errors
 from tokenflow.scheduler.sampling_params import (
+    MAX_SESSION_ID_LEN,
     RepetitionDetectionParams,
     SamplingParams,
     StructuredOutputsParams,
@@ -192,6 +193,12 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     kv_transfer_params: dict[str, Any] | None = None
+    # A streaming-input session: the replica keeps this request's KV after it ends for the
+    # next request with the same id (whose prompt extends this one's prompt and output);
+    # session_close ends the session with this request.
+    session_id: StrictStr | None = Field(default=None, min_length=1,
+                                         max_length=MAX_SESSION_ID_LEN)
+    session_close: StrictBool = False
     # Constrained output: OpenAI's response_format, vLLM's structured_outputs, or the
     # guided_* fields of older vLLM versions (one of them at most).
     response_format: ResponseFormat | None = None
@@ -220,6 +227,20 @@ class _SamplingRequest(_Request):
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_is_one_sequence(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("n", 1) != 1:
+            raise ValueError("a session continues one sequence: n must be 1")
+        return value
+
+    @field_validator("session_close")
+    @classmethod
+    def _close_needs_session(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("session_id") is None:
+            raise ValueError("session_close needs a session_id")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -281,6 +302,8 @@ class _SamplingRequest(_Request):
                 structured_outputs=self._structured_outputs(),
                 repetition_detection=(self.repetition_detection.to_params()
                                       if self.repetition_detection is not None else None),
+                session_id=self.session_id,
+                session_close=self.session_close,
                 **{k: v for k, v in given.items() if v is not None},
             )
         except ValueError as exc:
@@ -328,6 +351,14 @@ class CompletionRequest(_SamplingRequest):
         if all(isinstance(p, list) and p and all(_is_token_ids(t) for t in p) for p in value):
             return value
         raise ValueError(f"prompt must be {shape}")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt_per_session(cls, value: Any, info: ValidationInfo) -> Any:
+        batch = isinstance(value, list) and not isinstance(value[0], int)
+        if info.data.get("session_id") is not None and batch and len(value) > 1:
+            raise ValueError("a session continues one sequence: give one prompt")
+        return value
 
     @field_validator("echo")
     @classmethod

@@ -233,6 +233,23 @@ class KVCacheManager:
         if state is not None:
             self.pool.free_blocks(reversed(state.blocks))
 
+    def hand_over(self, from_id: str, to_id: str, num_tokens: int) -> int:
+        """Give `to_id` the blocks of `from_id` that hold its first `num_tokens` tokens (a
+        session's next turn takes over its KV) and free the rest, tail first. Returns how many
+        tokens the kept blocks hold: the new owner overwrites the rest of a partly kept block,
+        so a cached (full, shareable) one is not kept and the count drops to its start."""
+        state = self._reqs.pop(from_id)
+        bs = self.block_size
+        if num_tokens % bs and num_tokens // bs < state.num_cached:
+            num_tokens -= num_tokens % bs
+        num_keep = -(-num_tokens // bs)
+        self.pool.free_blocks(reversed(state.blocks[num_keep:]))
+        if num_keep:
+            del state.blocks[num_keep:]
+            state.num_cached = min(state.num_cached, num_tokens // bs)
+            self._reqs[to_id] = state
+        return num_tokens
+
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """(queries, hits) in tokens since the previous call."""
         last_queries, last_hits = self._stats_taken

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_SESSION_ID_LEN = 256
 
 
 @dataclass
@@ -97,6 +98,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    # A streaming-input session (scheduler/sessions.py): after this turn the request keeps its
+    # KV for the next request with the same id; `session_close` ends the session with it.
+    session_id: str | None = None
+    session_close: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +125,11 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              "prompt_logprobs must be >= 0"),
+            (self.session_id is None or 0 < len(self.session_id) <= MAX_SESSION_ID_LEN,
+             f"session_id must be 1 to {MAX_SESSION_ID_LEN} characters"),
+            (self.session_id is None or self.n == 1, "a session continues one sequence: n=1"),
+            (self.session_id is not None or not self.session_close,
+             "session_close needs a session_id"),
         ]
         for ok, message in checks:
             if not ok:

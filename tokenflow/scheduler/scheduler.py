@@ -21,6 +21,7 @@ from tokenflow.scheduler.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenflow.scheduler.sessions import Sessions
 from tokenflow.scheduler.stop import check_stop, first_full_check
 
 if TYPE_CHECKING:  # the manager uses xgrammar (and torch); the scheduler only calls it
@@ -57,6 +58,7 @@ class Scheduler:
     constraint on their output; they wait for their grammar in
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR without holding up the queue.
     `pause` holds back admission (PAUSED_NEW) or all scheduling (PAUSED_ALL): `PauseState`.
+    Finished turns of streaming-input sessions keep their blocks in `sessions` (`Sessions`).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []
         self._stats = SchedulerStats()
         self._pause_state = PauseState.UNPAUSED
+        self.sessions = Sessions(self.kv, scheduler_config.session_idle_timeout_s)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -117,7 +120,10 @@ class Scheduler:
             # Hash the prompt's full blocks once, on arrival, not inside a scheduling step.
             extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if params.session_id is not None and self.sessions.resume(request):
+            self.waiting.prepend(request)  # its session held a slot: it goes first, as resumed
+        else:
+            self.waiting.add(request)
 
     def _fail_waiting(self, request: Request, reason: str) -> None:
         """End a waiting request that can never run (its grammar did not compile)."""
@@ -157,8 +163,11 @@ class Scheduler:
             self._free(request)
 
     def _free(self, request: Request, out: EngineCoreOutput | None = None) -> None:
-        """Forget a finished request and free its blocks (or hold them for a consumer)."""
-        if self.remote is None or not self.remote.on_finished(request, out):
+        """Forget a finished request and free its blocks (or hold them for a consumer, or for
+        its session's next turn)."""
+        if Sessions.keeps(request):
+            self.sessions.park(request)
+        elif self.remote is None or not self.remote.on_finished(request, out):
             self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -177,9 +186,11 @@ class Scheduler:
                 request.spec_token_ids = list(drafts)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, outputs to deliver, or KV transfers to see through."""
+        """Requests to run, outputs to deliver, KV transfers to see through, or an idle
+        session to expire (the next `schedule()` frees it; idle sessions are no work)."""
         return (bool(self.requests) or bool(self._pending_outputs)
-                or (self.remote is not None and self.remote.has_pending()))
+                or (self.remote is not None and self.remote.has_pending())
+                or self.sessions.next_expiry_due())
 
     def has_work(self) -> bool:
         """Whether a step can make progress now. Unlike `has_unfinished_requests`, requests that
@@ -187,7 +198,7 @@ class Scheduler:
         state = self._pause_state
         if state is PauseState.UNPAUSED:
             return self.has_unfinished_requests()
-        if self._pending_outputs or self.has_pending_transfers():
+        if self._pending_outputs or self.has_pending_transfers() or self.sessions.next_expiry_due():
             return True
         if state is PauseState.PAUSED_ALL:
             return False
@@ -242,12 +253,16 @@ class Scheduler:
         `max_num_active_seqs` allow. Decode, prefill chunks and speculative tokens are all the
         same thing here: tokens not yet computed.
 
+        Idle streaming-input sessions hold a slot of `max_num_active_seqs` each, and their
+        blocks until a request that needs blocks evicts them or they expire.
+
         Paused, the step has no budget at all (PAUSED_ALL: it still tells the workers of
         finished requests), or admits only requests that were admitted before (PAUSED_NEW).
         """
         if self.remote is not None:
             for request in self.remote.before_schedule():
                 self.kv.free(request)  # held for a consumer, or aborted mid-load: now free
+        self.sessions.expire()
         budget = (0 if self._pause_state is PauseState.PAUSED_ALL
                   else self.config.max_num_batched_tokens)
         plan = _StepPlan(budget)
@@ -336,8 +351,12 @@ class Scheduler:
 
     def _make_room(self, request: Request, num_new: int, plan: _StepPlan
                    ) -> list[KVCacheBlock] | None:
-        """Preempt victims until `request` gets its slots (returns the new blocks) or is
-        itself the victim (returns None)."""
+        """Evict idle sessions, then preempt victims, until `request` gets its slots (returns
+        the new blocks) or is itself the victim (returns None)."""
+        while self.sessions.evict_oldest():
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
         while True:
             victim = self.running[self._victim_index()]
             self._preempt(victim, plan)
@@ -373,7 +392,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         skipped: list[Request] = []
-        max_running = self.config.active_seqs_limit
+        max_running = self.config.active_seqs_limit - len(self.sessions)
         paused_new = self._pause_state is PauseState.PAUSED_NEW
         # After a failed admission only requests that already hold their blocks may pass (a
         # loaded request must not wait behind one that cannot get blocks: that deadlocks).
@@ -419,12 +438,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return _Admission.FAILED
             num_new = plan.budget
-        if holds_blocks:
-            if self.kv.allocate_slots(request, num_new) is None:
+        while (self.kv.allocate_slots(request, num_new) if holds_blocks else
+               self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)) is None:
+            if not self.sessions.evict_oldest():  # idle sessions give way to live requests
                 return _Admission.FAILED
-        elif self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
-            return _Admission.FAILED
-        else:
+        if not holds_blocks:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
         self._start_running(request, plan, num_hit, num_new)
         return _Admission.ADMITTED

@@ -1,0 +1,80 @@
+"""Streaming-input sessions through the engine, on the tiny model: a multi-turn conversation
+reuses its KV and gives the tokens of fresh requests; idle sessions expire in the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenflow.replica.async_engine import AsyncEngine
+from tokenflow.replica.llm_engine import LLMEngine
+from tokenflow.scheduler import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+
+
+def config(prefix_caching: bool = True, timeout_s: float = 60.0) -> EngineConfig:
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=96, block_size=16, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, session_idle_timeout_s=timeout_s))
+
+
+def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+        ) -> tuple[list[int], int, str]:
+    """One request to its end: (tokens, cached prompt tokens, finish reason)."""
+    engine.add_request(request_id, prompt, params)
+    tokens, cached, finish = [], 0, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+            cached = out.num_cached_tokens
+            finish = out.outputs[0].finish_reason or finish
+    return tokens, cached, finish
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with_sessions, fresh = LLMEngine(config()), LLMEngine(config(prefix_caching=False))
+    yield with_sessions, fresh
+    with_sessions.shutdown()
+    fresh.shutdown()
+
+
+def test_five_turns_reuse_the_prefix_and_match_fresh_requests(engines):
+    engine, fresh = engines
+    session = dataclasses.replace(GREEDY, session_id="chat")
+    prompt, held = [], 0
+    for k in range(5):
+        prompt = prompt + [(11 * k + 5 * i) % 500 + 3 for i in range(9 + 4 * k)]
+        tokens, cached, finish = run(engine, f"turn{k}", prompt, session)
+        assert finish == "length" and len(tokens) == 7
+        # The KV of everything before this turn's new tokens was kept: only they are computed
+        # (and the last token of the previous turn, which was sampled but never computed).
+        assert cached == held, f"turn {k}"
+        assert tokens == run(fresh, f"fresh{k}", prompt, GREEDY)[0], f"turn {k}"
+        prompt = prompt + tokens
+        held = len(prompt) - 1
+    free, total = engine.kv_cache_blocks()
+    assert free < total  # the session holds its blocks
+    run(engine, "bye", prompt + [9], dataclasses.replace(session, session_close=True))
+    assert engine.kv_cache_blocks() == (total, total)
+
+
+async def test_idle_session_expires_in_the_engine_loop():
+    engine = AsyncEngine(config(timeout_s=0.3))
+    try:
+        params = dataclasses.replace(GREEDY, session_id="s")
+        async for _ in engine.generate(list(range(3, 40)), params):
+            pass
+        free, total = engine.kv_cache
+        assert free < total
+        for _ in range(200):  # the loop wakes at least once a second, idle or not
+            if engine.kv_cache == (total, total):
+                break
+            await asyncio.sleep(0.05)
+        assert engine.kv_cache == (total, total)
+    finally:
+        engine.shutdown()

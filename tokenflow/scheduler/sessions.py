@@ -1,0 +1,121 @@
+"""Streaming-input sessions: a finished turn keeps its KV blocks for the next one.
+
+A request with `sampling_params.session_id` that ends normally (stop or length) is parked in
+WAITING_FOR_STREAMING_REQ instead of freed: the client sees its turn finish as usual, and the
+workers forget it, but its blocks stay allocated. The next request with the same session id
+takes them over: it keeps the KV of the longest common prefix of its prompt and the parked
+tokens (never its whole prompt: one token is computed for the logits), so it computes only
+what is new. The last sampled token of a turn has no KV yet; a follow-up that repeats it
+computes it with its new tokens (vLLM's streaming input drops it instead). A follow-up that
+shares nothing, or asks for prompt logprobs (they need every position computed), frees the
+parked blocks and runs as a fresh request. A follow-up for an unknown or expired session runs
+as a fresh request and opens the session.
+
+A session ends with a turn that sets `session_close`, a turn that is aborted or fails, after
+`session_idle_timeout_s` idle, or when a live request needs its blocks (idle sessions are a
+cache: they are evicted, longest idle first, before anyone is preempted). Parked sessions count
+against `max_num_active_seqs` but are not work: a drain (PAUSED_NEW) does not wait for them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from tokenflow.kv import KVCacheManager
+from tokenflow.scheduler.request import Request, RequestStatus
+
+# Normal ends of a turn; an aborted, failed or ignored turn ends its session.
+_TURN_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+              RequestStatus.FINISHED_REPETITION)
+
+
+class Sessions:
+    """Owns the parked sessions of one scheduler: the finished turn of each, with its KV
+    blocks, in the order they went idle (so expiry looks only at the front)."""
+
+    def __init__(self, kv: KVCacheManager, idle_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.kv = kv
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self._parked: OrderedDict[str, tuple[Request, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._parked
+
+    @staticmethod
+    def keeps(request: Request) -> bool:
+        """Whether a finished request stays parked for its session's next turn."""
+        params = request.sampling_params
+        return (params.session_id is not None and not params.session_close
+                and request.status in _TURN_ENDS and not request.kv_transfer_params)
+
+    def park(self, request: Request) -> None:
+        """Keep a finished turn's blocks; replaces (frees) a turn parked under the same id,
+        which can only be an older one that ran at the same time."""
+        session_id = request.sampling_params.session_id
+        self._drop(session_id)
+        request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+        self._parked[session_id] = (request, self.clock() + self.idle_timeout_s)
+
+    def resume(self, request: Request) -> int:
+        """Give a new turn its session's KV, as computed tokens; returns how many (0: no parked
+        session, or nothing reusable, and then nothing is held for it)."""
+        parked = self._parked.pop(request.sampling_params.session_id, None)
+        if parked is None:
+            return 0
+        old = parked[0]
+        num_valid = min(old.num_computed_tokens, old.num_tokens)  # KV written for its tokens
+        num_keep = 0
+        if request.sampling_params.prompt_logprobs is None:
+            prompt = request.prompt_token_ids
+            num_keep = min(common_prefix_len(old.all_token_ids, prompt, num_valid),
+                           len(prompt) - 1)
+        num_keep = self.kv.hand_over(old.request_id, request.request_id, num_keep)
+        request.num_computed_tokens = num_keep
+        return num_keep
+
+    def close(self, session_id: str) -> bool:
+        """End a parked session now, freeing its blocks; False if none is parked."""
+        return self._drop(session_id)
+
+    def next_expiry_due(self) -> bool:
+        """Whether an idle session has timed out (cheap: looks at the oldest only)."""
+        return bool(self._parked) and next(iter(self._parked.values()))[1] <= self.clock()
+
+    def expire(self) -> int:
+        """Free every session idle past the timeout; returns how many."""
+        if not self._parked:
+            return 0
+        now, expired = self.clock(), 0
+        while self._parked and next(iter(self._parked.values()))[1] <= now:
+            self.kv.free(self._parked.popitem(last=False)[1][0])
+            expired += 1
+        return expired
+
+    def evict_oldest(self) -> bool:
+        """Free the longest idle session (a live request needs blocks); False if none."""
+        if not self._parked:
+            return False
+        self.kv.free(self._parked.popitem(last=False)[1][0])
+        return True
+
+    def _drop(self, session_id: str) -> bool:
+        parked = self._parked.pop(session_id, None)
+        if parked is not None:
+            self.kv.free(parked[0])
+        return parked is not None
+
+
+def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, at most `limit`. One C-speed comparison
+    when one extends the other (the usual follow-up), a scan otherwise."""
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
