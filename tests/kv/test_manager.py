@@ -339,3 +339,19 @@ def _colliding_hashes(hashes: list[int], tokens: Sequence[int], block_size: int)
 def test_kv_state_machine_with_colliding_hashes() -> None:
     with mock.patch("tokenflow.kv.manager.extend_block_hashes", _colliding_hashes):
         run_state_machine_as_test(KVMachine, settings=_FAST)
+
+
+def test_hand_over_keeps_a_prefix_and_never_a_cached_block_it_would_overwrite() -> None:
+    mgr = KVCacheManager(num_blocks=10, block_size=BS)
+    a = FakeReq("a", list(range(10)))  # blocks 0, 1 full and cached; block 2 holds 2 tokens
+    admit(mgr, a)
+    ids = mgr.get_block_ids("a")
+    # Inside the private partial block: kept as is, written over from token 9 on.
+    assert mgr.hand_over("a", "b", 9) == 9 and mgr.get_block_ids("b") == ids
+    # Inside cached block 1: the count drops to its start, and block 1 goes back to the pool.
+    assert mgr.hand_over("b", "c", 6) == 4 and mgr.get_block_ids("c") == ids[:1]
+    assert mgr.num_free_blocks == 9
+    mgr.check_integrity()
+    assert mgr.hand_over("c", "d", 0) == 0 and mgr.num_free_blocks == 10
+    assert mgr.hand_over("nobody", "e", 5) == 0
+    mgr.check_integrity()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.scheduler.utils import VOCAB, FakeRunner, run_until_done
 from tokenflow.config import CacheConfig, SchedulerConfig
-from tokenflow.scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from tokenflow.scheduler import PauseState, Request, RequestStatus, SamplingParams, Scheduler
 from tokenflow.scheduler.sessions import common_prefix_len
 
 BLOCK = 4
@@ -202,3 +205,140 @@ def test_common_prefix_len():
     assert common_prefix_len([1, 2, 3], [1, 5, 3], 10) == 1
     assert common_prefix_len([1, 2, 3], [1, 2, 3], 2) == 2
     assert common_prefix_len([], [1], 5) == 0
+
+
+def test_a_reused_request_id_does_not_touch_a_parked_session():
+    scheduler, runner, _ = make_scheduler()
+    run_turn(scheduler, runner, turn("a", list(range(1, 30))))
+    held = scheduler.kv.num_blocks - scheduler.kv.num_free_blocks
+    _, computed, cached = run_turn(scheduler, runner, turn("a", list(range(50, 60)), None))
+    assert cached == 0 and computed == 10
+    assert scheduler.kv.num_blocks - scheduler.kv.num_free_blocks == held
+    _, _, cached = run_turn(scheduler, runner, turn("b", list(range(1, 30)) + [1]))
+    assert cached > 20
+    scheduler.kv.check_integrity()
+
+
+def test_idle_sessions_are_no_work_for_a_drain_and_a_follow_up_runs_in_it():
+    scheduler, runner, _ = make_scheduler()
+    tokens, _, _ = run_turn(scheduler, runner, turn("a", list(range(1, 30))))
+    scheduler.pause(PauseState.PAUSED_NEW)
+    assert not scheduler.has_work() and not scheduler.has_unfinished_requests()
+    scheduler.add_request(turn("fresh", [1, 2, 3], None))
+    follow = turn("b", list(range(1, 30)) + tokens + [4])
+    scheduler.add_request(follow)
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["b"], "the session was admitted before"
+    scheduler.update_from_output(out, runner.execute_model(out))
+    scheduler.resume()
+    run_until_done(scheduler, runner)
+    assert scheduler.requests == {}
+
+
+# ------------------------------------------------------------------------------ hypothesis
+class KVCheckingRunner(FakeRunner):
+    """A fake runner that also remembers which token's KV each block slot holds, and checks
+    that every scheduled request finds its own tokens' KV in front of what it computes: a
+    block handed over, shared or cut short with the wrong content fails here."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.slots: dict[tuple[int, int], int] = {}
+
+    def execute_model(self, out):
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        result = super().execute_model(out)  # applies the deltas first
+        bs = self.block_size
+        for req_id, start in starts.items():  # the step writes, then attention reads
+            state = self.requests[req_id]
+            for pos in range(start, start + out.num_scheduled_tokens[req_id]):
+                self.slots[state.block_ids[pos // bs], pos % bs] = state.token_ids[pos]
+        for req_id, start in starts.items():
+            state = self.requests[req_id]
+            for pos in range(start):
+                held = self.slots.get((state.block_ids[pos // bs], pos % bs))
+                assert held == state.token_ids[pos], f"{req_id} reads wrong KV at {pos}"
+        return result
+
+
+class SessionMachine(RuleBasedStateMachine):
+    """Random interleavings of session turns (extending, diverging, closing), plain requests,
+    aborts, steps and expiry, against a small KV cache."""
+
+    @initialize(budget=st.integers(4, 64), limit=st.integers(1, 4),
+                num_blocks=st.integers(8, 40), block_size=st.sampled_from([2, 4, 8]),
+                caching=st.booleans())
+    def setup(self, budget, limit, num_blocks, block_size, caching):
+        config = SchedulerConfig(max_num_seqs=limit, max_num_batched_tokens=budget,
+                                 session_idle_timeout_s=5.0)
+        cache = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
+        # The engine's context limit never exceeds what the whole cache holds.
+        self.scheduler = Scheduler(config, cache, num_blocks, min(256, num_blocks * block_size))
+        self.clock = Clock()
+        self.scheduler.sessions.clock = self.clock
+        self.runner = KVCheckingRunner(block_size)
+        self.limit = limit
+        self.prompts: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.last_turn: dict[str, str] = {}
+        self.counter = 0
+
+    @rule(session=st.sampled_from(["A", "B", None]),
+          extension=st.lists(st.integers(0, 20), min_size=1, max_size=12),
+          cut=st.sampled_from([None, None, 0.5]), close=st.sampled_from([False, False, True]),
+          max_tokens=st.integers(1, 8))
+    def add(self, session, extension, cut, close, max_tokens):
+        last = self.last_turn.get(session)
+        base = self.prompts[last] + self.tokens.get(last, []) if last else []
+        if cut is not None:
+            base = base[:int(len(base) * cut)]
+        req_id = f"r{self.counter}"
+        self.counter += 1
+        self.prompts[req_id] = (base + extension)[-200:]
+        if session is not None:
+            self.last_turn[session] = req_id
+        self.scheduler.add_request(turn(req_id, self.prompts[req_id], session, max_tokens,
+                                        close and session is not None))
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        req_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    @rule()
+    def step(self):
+        out = self.scheduler.schedule()
+        for o in self.scheduler.update_from_output(out, self.runner.execute_model(out)).outputs:
+            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    @rule(seconds=st.sampled_from([1.0, 6.0]))
+    def wait(self, seconds):
+        self.clock.now += seconds
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "scheduler"):
+            return
+        self.scheduler.kv.check_integrity()
+        assert len(self.scheduler.running) + len(self.scheduler.sessions) <= self.limit
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        # Idle sessions hold their slots until they expire: time goes on while it drains.
+        run_until_done(self.scheduler, self.runner, max_steps=5000,
+                       on_step=lambda _s, _out: setattr(self.clock, "now", self.clock.now + 1))
+        self.clock.now += 10
+        self.scheduler.schedule()
+        assert len(self.scheduler.sessions) == 0
+        assert self.scheduler.kv.num_free_blocks == self.scheduler.kv.num_blocks
+
+
+SessionMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestSessionMachine = SessionMachine.TestCase

@@ -229,7 +229,11 @@ class KVCacheManager:
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks, tail first, so a sequence's tail is evicted before the
         prefix it may share with others. A request holding nothing is a no-op."""
-        state = self._reqs.pop(request.request_id, None)
+        self.free_id(request.request_id)
+
+    def free_id(self, request_id: str) -> None:
+        """`free` by id (blocks held under a key that is no request's, e.g. a session's)."""
+        state = self._reqs.pop(request_id, None)
         if state is not None:
             self.pool.free_blocks(reversed(state.blocks))
 
@@ -238,7 +242,9 @@ class KVCacheManager:
         session's next turn takes over its KV) and free the rest, tail first. Returns how many
         tokens the kept blocks hold: the new owner overwrites the rest of a partly kept block,
         so a cached (full, shareable) one is not kept and the count drops to its start."""
-        state = self._reqs.pop(from_id)
+        state = self._reqs.pop(from_id, None)
+        if state is None:
+            return 0
         bs = self.block_size
         if num_tokens % bs and num_tokens // bs < state.num_cached:
             num_tokens -= num_tokens % bs

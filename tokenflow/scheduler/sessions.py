@@ -33,14 +33,19 @@ _TURN_ENDS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPP
 
 class Sessions:
     """Owns the parked sessions of one scheduler: the finished turn of each, with its KV
-    blocks, in the order they went idle (so expiry looks only at the front)."""
+    blocks, in the order they went idle (so expiry looks only at the front).
+
+    A parked turn's blocks are held under a key of the session's (`_key`), not its request id,
+    so a later request that reuses that id holds nothing it does not own.
+    """
 
     def __init__(self, kv: KVCacheManager, idle_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.idle_timeout_s = idle_timeout_s
         self.clock = clock
-        self._parked: OrderedDict[str, tuple[Request, float]] = OrderedDict()
+        # session id -> (its last turn, tokens whose KV it holds, deadline)
+        self._parked: OrderedDict[str, tuple[Request, int, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -60,23 +65,28 @@ class Sessions:
         which can only be an older one that ran at the same time."""
         session_id = request.sampling_params.session_id
         self._drop(session_id)
-        request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
-        self._parked[session_id] = (request, self.clock() + self.idle_timeout_s)
+        # KV is written for the computed tokens that are still its tokens (not the last
+        # sampled one; nor drafts or tokens after a stop that were trimmed).
+        num_valid = min(request.num_computed_tokens, request.num_tokens)
+        num_held = self.kv.hand_over(request.request_id, _key(session_id), num_valid)
+        if num_held:
+            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+            self._parked[session_id] = (request, num_held, self.clock() + self.idle_timeout_s)
 
     def resume(self, request: Request) -> int:
         """Give a new turn its session's KV, as computed tokens; returns how many (0: no parked
         session, or nothing reusable, and then nothing is held for it)."""
-        parked = self._parked.pop(request.sampling_params.session_id, None)
+        session_id = request.sampling_params.session_id
+        parked = self._parked.pop(session_id, None)
         if parked is None:
             return 0
-        old = parked[0]
-        num_valid = min(old.num_computed_tokens, old.num_tokens)  # KV written for its tokens
+        old, num_held, _ = parked
         num_keep = 0
         if request.sampling_params.prompt_logprobs is None:
             prompt = request.prompt_token_ids
-            num_keep = min(common_prefix_len(old.all_token_ids, prompt, num_valid),
+            num_keep = min(common_prefix_len(old.all_token_ids, prompt, num_held),
                            len(prompt) - 1)
-        num_keep = self.kv.hand_over(old.request_id, request.request_id, num_keep)
+        num_keep = self.kv.hand_over(_key(session_id), request.request_id, num_keep)
         request.num_computed_tokens = num_keep
         return num_keep
 
@@ -86,15 +96,15 @@ class Sessions:
 
     def next_expiry_due(self) -> bool:
         """Whether an idle session has timed out (cheap: looks at the oldest only)."""
-        return bool(self._parked) and next(iter(self._parked.values()))[1] <= self.clock()
+        return bool(self._parked) and next(iter(self._parked.values()))[2] <= self.clock()
 
     def expire(self) -> int:
         """Free every session idle past the timeout; returns how many."""
         if not self._parked:
             return 0
         now, expired = self.clock(), 0
-        while self._parked and next(iter(self._parked.values()))[1] <= now:
-            self.kv.free(self._parked.popitem(last=False)[1][0])
+        while self._parked and next(iter(self._parked.values()))[2] <= now:
+            self.kv.free_id(_key(self._parked.popitem(last=False)[0]))
             expired += 1
         return expired
 
@@ -102,14 +112,19 @@ class Sessions:
         """Free the longest idle session (a live request needs blocks); False if none."""
         if not self._parked:
             return False
-        self.kv.free(self._parked.popitem(last=False)[1][0])
+        self.kv.free_id(_key(self._parked.popitem(last=False)[0]))
         return True
 
     def _drop(self, session_id: str) -> bool:
         parked = self._parked.pop(session_id, None)
         if parked is not None:
-            self.kv.free(parked[0])
+            self.kv.free_id(_key(session_id))
         return parked is not None
+
+
+def _key(session_id: str) -> str:
+    # A NUL prefix: no request id the API or the engine makes starts with one.
+    return "\0session:" + session_id
 
 
 def common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
