@@ -14,7 +14,12 @@ as a fresh request and opens the session.
 A session ends with a turn that sets `session_close`, a turn that is aborted or fails, after
 `session_idle_timeout_s` idle, or when a live request needs its blocks (idle sessions are a
 cache: they are evicted, longest idle first, before anyone is preempted). Parked sessions count
-against `max_num_active_seqs` but are not work: a drain (PAUSED_NEW) does not wait for them.
+against `max_num_active_seqs` (a waiting request waits for a slot they hold until they end) but
+are not work: a drain (PAUSED_NEW) does not wait for them, and expiry is checked by
+`schedule()` and by `has_unfinished_requests()`, which an idle engine loop polls. A continued
+session holds blocks, so it is admitted work even under PAUSED_NEW, and it goes to the head of
+the queue, as a preempted request does. One turn at a time: a request for a session whose turn
+still runs is a request of its own, and the turn that ends last is the one parked.
 """
 
 from __future__ import annotations
