@@ -78,3 +78,40 @@ async def test_idle_session_expires_in_the_engine_loop():
         assert engine.kv_cache == (total, total)
     finally:
         engine.shutdown()
+
+
+async def test_a_request_waiting_for_a_slot_idle_sessions_hold_does_not_spin_the_loop():
+    engine = AsyncEngine(EngineConfig(
+        cache=CacheConfig(num_blocks=96, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=1, session_idle_timeout_s=30)))
+    now = [0.0]
+    engine.engine.core.scheduler.sessions.clock = lambda: now[0]
+    steps = [0]
+    step = engine.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.engine.step = counted
+    try:
+        params = dataclasses.replace(GREEDY, session_id="s")
+        async for _ in engine.generate(list(range(3, 40)), params):
+            pass
+        waiting = asyncio.create_task(_tokens(engine, list(range(50, 60))))
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+        before = steps[0]
+        await asyncio.sleep(0.5)
+        assert steps[0] - before <= 1 and not waiting.done()  # it sleeps, not spins
+        now[0] += 31  # the session expires; the loop notices within its 1 s poll
+        assert len(await asyncio.wait_for(waiting, 30)) == 7
+    finally:
+        engine.shutdown()
+
+
+async def _tokens(engine: AsyncEngine, prompt: list[int]) -> list[int]:
+    tokens = []
+    async for out in engine.generate(prompt, GREEDY):
+        tokens += out.outputs[0].token_ids
+    return tokens

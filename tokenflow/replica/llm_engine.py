@@ -144,10 +144,8 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether `step()` can make progress now: unfinished requests, except those a pause
-        holds back."""
-        if self.core.is_paused():
-            return self.core.has_work()
-        return self.has_unfinished_requests()
+        holds back or that wait for a slot idle sessions hold (see `Scheduler.has_work`)."""
+        return self.core.has_work()
 
     def request_counts(self) -> tuple[int, int]:
         """(running, waiting) requests now."""

@@ -194,14 +194,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step can make progress now. Unlike `has_unfinished_requests`, requests that
-        a pause holds back do not count, so an engine loop sleeps instead of spinning on them."""
+        a pause holds back, or that wait for a slot idle sessions hold, do not count, so an
+        engine loop sleeps instead of spinning on them."""
         state = self._pause_state
-        if state is PauseState.UNPAUSED:
-            return self.has_unfinished_requests()
         if self._pending_outputs or self.has_pending_transfers() or self.sessions.next_expiry_due():
             return True
-        if state is PauseState.PAUSED_ALL:
+        # Idle sessions holding every slot: nothing runs and nothing may be admitted.
+        if state is PauseState.PAUSED_ALL or len(self.sessions) >= self.config.active_seqs_limit:
             return False
+        if state is PauseState.UNPAUSED:
+            return self.has_unfinished_requests()
         return bool(self.running) or any(not self._is_new(r) for r in self.waiting)
 
     def request_counts(self) -> tuple[int, int]:
