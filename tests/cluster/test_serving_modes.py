@@ -247,22 +247,26 @@ def test_proxy_ingress_resumes_streams_whose_replica_dies(tmp_path: Path) -> Non
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
-        uninterrupted = _streams(url, 16, 60)
-        assert all(used == 60 and len(tokens) == 60 for _, tokens, used in uninterrupted)
+        uninterrupted = _streams(url, 16, 120)
+        assert all(used == 120 and len(tokens) == 120 for _, tokens, used in uninterrupted)
 
         killed: list[int] = []
 
         def kill_a_busy_replica(progress: list[int]) -> bool:
-            if min(progress) < 5:
-                return False  # every stream has started and is mid-way
+            if min(progress) < 1:
+                return False  # every stream has started (its request was accepted)
             replicas = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
             busy = max(replicas["replicas"], key=lambda r: r["running"])
+            if not busy["running"]:
+                # The client reads behind the server (on a loaded machine, far behind): a
+                # replica may be done with streams the client is still reading. Look again.
+                return False
             [victim] = [p for p in _replica_processes(server) if p.pid == busy["pid"]]
             killed.append(busy["running"])
             victim.kill()  # a process this test started (through tokenflow serve)
             return True
 
-        resumed = _streams(url, 16, 60, on_progress=kill_a_busy_replica)
+        resumed = _streams(url, 16, 120, on_progress=kill_a_busy_replica)
         assert killed and killed[0] > 0, "no stream was running on the killed replica"
         for i, ((text, tokens, used), (text0, tokens0, used0)) in enumerate(
                 zip(resumed, uninterrupted, strict=True)):
