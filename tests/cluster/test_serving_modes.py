@@ -96,12 +96,12 @@ def offline() -> LLM:
     return LLM(config=EngineConfig.model_validate(ENGINE))
 
 
-def _start(mode: ServingMode, num_replicas: int, tmp_path: Path, **deployment: Any
-           ) -> tuple[ServeProcess, str]:
+def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
+           engine: dict[str, Any] | None = None, **deployment: Any) -> tuple[ServeProcess, str]:
     port = free_port()
     config = tmp_path / f"{mode.value}.yaml"
     config.write_text(yaml.safe_dump({
-        "engine": ENGINE, "serving_mode": mode.value,
+        "engine": {**ENGINE, **(engine or {})}, "serving_mode": mode.value,
         "deployment": {"num_replicas": num_replicas,
                        "ray_actor_options": {"num_cpus": 0.25}, **deployment}}))
     ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
@@ -151,6 +151,23 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
+        _check_the_api(url, offline)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_the_engine_in_a_process_of_its_own_serves_the_api(offline: LLM, tmp_path: Path
+                                                            ) -> None:
+    """`engine_loop: process` in the default mode: the replica's engine runs in a child
+    process of the replica, and the API is the same, token-exact."""
+    mode = AppConfig().serving_mode
+    server, url = _start(mode, 1, tmp_path, engine={"engine_loop": "process"})
+    try:
+        server.wait_for(READY)
+        assert "engine loop: process" in server.output
+        [replica] = _replica_processes(server)
+        assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
     finally:
         server.stop()
