@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt: str | None
+    prompt_token_ids: list[int]
 
 
 class AsyncEngine:
@@ -153,7 +155,8 @@ class AsyncEngine:
         request_id = processed.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), processed.prompt,
+                         processed.prompt_token_ids)
         self._streams[request_id] = stream
         self._send(("add", processed))
         finished = False
@@ -226,6 +229,9 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
+                if self.engine is None:  # the engine process sent the deltas without them
+                    output.prompt, output.prompt_token_ids = (stream.prompt,
+                                                              stream.prompt_token_ids)
                 by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)

@@ -10,6 +10,8 @@ work, wait for commands when there is none.
 from __future__ import annotations
 
 import contextlib
+import copyreg
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -22,7 +24,7 @@ from typing import Any
 from tokenflow.config import EngineConfig
 from tokenflow.replica.llm_engine import LLMEngine
 from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.output_processor import RequestOutput
+from tokenflow.replica.output_processor import CompletionOutput, RequestMetrics, RequestOutput
 from tokenflow.replica.tokenizer import Tokenizer
 from tokenflow.scheduler import SchedulerStats
 
@@ -272,10 +274,20 @@ class ProcessLoop:
                    else EngineDeadError(str(self.error)))
 
 
+def _pickle_by_position(cls: type) -> None:
+    """Pickle a dataclass as its constructor's arguments: a step's deltas are a few objects a
+    request, and unpickling them by keyword (pickle's default) costs the serving process
+    three times as much."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    copyreg.pickle(cls, lambda obj: (cls, tuple(obj.__dict__[n] for n in names)))
+
+
 def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
     """The engine process: load the engine, say it is ready, then step it with commands from
     the pipe and send each step's outputs back with the engine's state."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for cls in (RequestOutput, CompletionOutput, RequestMetrics):
+        _pickle_by_position(cls)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
@@ -297,6 +309,10 @@ def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
                 return commands
 
     def emit(outputs: list[RequestOutput], applied: int, busy: bool) -> None:
+        for output in outputs:
+            # The serving side has each request's prompt: sending it with every delta would
+            # make most of a step's bytes (and of its pickling, on both sides).
+            output.prompt, output.prompt_token_ids = None, []
         conn.send(("step", outputs, engine_state(engine, applied, busy)))
 
     try:
