@@ -1,6 +1,7 @@
 """Overhead of each serving mode: one trace against the in-process `AsyncEngine` and against
-`tokenflow serve` in every serving mode, side by side in one run, at several concurrencies. The in-process engine runs first and
-last; each served mode is compared with the faster of those two runs.
+`tokenflow serve` in every serving mode, side by side in one run, at several concurrencies. The
+in-process engine runs first and last, and once more with its loop in an engine process of its
+own; each served mode is compared with the fastest of those runs.
 
 Each served mode is a fresh `tokenflow serve` process (its own Ray cluster, set up for the
 mode) with the engine config of `--config`, the model replaced by `--model`; the client is
@@ -61,6 +62,7 @@ class ServedMode:
     label: str
     serving_mode: str
     stream_interval_s: float = 0.0
+    engine_loop: str = "thread"
 
 
 MODES = {m.label: m for m in (
@@ -68,8 +70,12 @@ MODES = {m.label: m for m in (
     ServedMode("proxy_ingress_grpc", "proxy_ingress_grpc"),
     ServedMode("proxy", "proxy"),
     ServedMode("haproxy", "haproxy"),
+    ServedMode("haproxy_engine_process", "haproxy", engine_loop="process"),
     ServedMode("haproxy_coalesce50ms", "haproxy", 0.05),
 )}
+# The in-process references: the AsyncEngine in this process, its loop in a thread here or in
+# an engine process of its own. Each served mode is compared with the fastest of them.
+INPROCESS = ("in-process", "in-process, engine process", "in-process (again)")
 
 # What each server process is, from its command line (the first pattern that matches).
 ROLES = (
@@ -79,6 +85,7 @@ ROLES = (
     ("Serve proxy", r"ProxyActor"),
     ("Serve controller", r"ServeController"),
     ("HAProxy", r"haproxy"),
+    ("engine process", r"spawn_main"),
     ("tokenflow serve (driver)", r"tokenflow serve"),
 )
 
@@ -194,6 +201,7 @@ async def measure_served(mode: ServedMode, base_config: dict[str, Any],
                          args: argparse.Namespace, log_dir: Path) -> dict[int, dict[str, Any]]:
     config = {**base_config, "serving_mode": mode.serving_mode,
               "stream_interval_s": mode.stream_interval_s}
+    config["engine"] = {**config.get("engine", {}), "engine_loop": mode.engine_loop}
     server = Server(config, log_dir / f"{mode.label}.log")
     results: dict[int, dict[str, Any]] = {}
     try:
@@ -216,31 +224,44 @@ async def measure_served(mode: ServedMode, base_config: dict[str, Any],
                 if profile is not None:
                     finish_profile(profile)
                 results[c] = {"result": result.to_dict(per_request=False), "cpu_s": cpu}
-                print(f"  {mode.label:<22} c={c:<3} {result.summary_line()}", flush=True)
+                print(f"  {mode.label:<26} c={c:<3} {result.summary_line()}", flush=True)
     finally:
         server.stop()
     return results
 
 
-async def measure_inprocess(config: AppConfig, args: argparse.Namespace
-                            ) -> dict[int, dict[str, Any]]:
-    engine = AsyncEngine(config.engine)
+async def measure_inprocess(config: AppConfig, args: argparse.Namespace,
+                            engine_loop: str = "thread") -> dict[int, dict[str, Any]]:
+    engine = AsyncEngine(config.engine.model_copy(update={"engine_loop": engine_loop}))
+    label = "in-process" if engine_loop == "thread" else "in-process, engine process"
     results: dict[int, dict[str, Any]] = {}
     try:
         send = EngineSender(engine)
         for c in args.concurrency:
             requests = requests_for(c, args)
             await warm_up(send, c, args)
+            engine_process = (psutil.Process(engine.engine_pid) if engine.engine_pid
+                              else None)
+            engine_cpu = _cpu_s(engine_process)
             t0 = time.process_time()
             result = await run_benchmark(send, requests, math.inf, c, args.seed,
                                          progress=False)
-            results[c] = {"result": result.to_dict(per_request=False),
-                          "cpu_s": {"engine and client (this process)":
-                                    time.process_time() - t0}}
-            print(f"  {'in-process':<22} c={c:<3} {result.summary_line()}", flush=True)
+            cpu = {"engine and client (this process)": time.process_time() - t0}
+            if engine_process is not None:
+                cpu = {"client (this process)": cpu.popitem()[1],
+                       "engine process": _cpu_s(engine_process) - engine_cpu}
+            results[c] = {"result": result.to_dict(per_request=False), "cpu_s": cpu}
+            print(f"  {label:<26} c={c:<3} {result.summary_line()}", flush=True)
     finally:
         engine.shutdown()
     return results
+
+
+def _cpu_s(proc: psutil.Process | None) -> float:
+    if proc is None:
+        return 0.0
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 # ------------------------------------------------------------------------------ profiling
@@ -305,18 +326,18 @@ def _frame(frame: str) -> str:
 
 # ---------------------------------------------------------------------------------- report
 def report(results: dict[str, dict[int, dict[str, Any]]], concurrencies: list[int]) -> str:
-    head = (f"{'mode':<22}{'c':>4}{'tok/s':>9}{'loss':>8}{'TTFT p50':>10}{'p99':>8}"
+    head = (f"{'mode':<26}{'c':>4}{'tok/s':>9}{'loss':>8}{'TTFT p50':>10}{'p99':>8}"
             f"{'+TTFT p50':>11}{'ITL p50':>9}{'p99':>8}   CPU s by process")
     lines = [head, "-" * len(head)]
     for c in concurrencies:
-        ref = max((results[k][c]["result"] for k in ("in-process", "in-process (again)")),
+        ref = max((results[k][c]["result"] for k in INPROCESS if k in results),
                   key=lambda r: r["output_throughput"])
         for label, per_c in results.items():
             r, cpu = per_c[c]["result"], per_c[c]["cpu_s"]
             loss = 1 - r["output_throughput"] / ref["output_throughput"]
             added = r["ttft_ms"]["p50"] - ref["ttft_ms"]["p50"]
             cpu_text = ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if v >= 0.05)
-            lines.append(f"{label:<22}{c:>4}{r['output_throughput']:>9.1f}{100 * loss:>7.1f}%"
+            lines.append(f"{label:<26}{c:>4}{r['output_throughput']:>9.1f}{100 * loss:>7.1f}%"
                          f"{r['ttft_ms']['p50']:>10.1f}{r['ttft_ms']['p99']:>8.1f}"
                          f"{added:>+11.1f}{r['itl_ms']['p50']:>9.1f}{r['itl_ms']['p99']:>8.1f}"
                          f"   {cpu_text}")
@@ -347,6 +368,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "concurrency")
     p.add_argument("--profile-s", type=int, default=8, help="seconds of profile")
     p.add_argument("--profile-out", help="directory for the raw py-spy stacks")
+    p.add_argument("--no-inprocess-engine-process", dest="inprocess_engine_process",
+                   action="store_false",
+                   help="skip the in-process reference whose engine runs in a process of "
+                        "its own")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     args.concurrency = sorted(set(args.concurrency))
@@ -360,6 +385,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The in-process engine runs first and last: this machine's speed drifts over minutes, and
     # each served mode is compared with the faster of the two (the stricter comparison).
     results["in-process"] = asyncio.run(measure_inprocess(config, args))
+    if args.inprocess_engine_process:
+        results["in-process, engine process"] = asyncio.run(
+            measure_inprocess(config, args, "process"))
     for label in args.modes:
         results[label] = asyncio.run(measure_served(MODES[label], data, args, log_dir))
     results["in-process (again)"] = asyncio.run(measure_inprocess(config, args))

@@ -190,6 +190,21 @@ class EngineConfig(_Frozen):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # Where the step loop runs when served: a thread of the serving process, or a process of
+    # its own (the engine and the HTTP event loop then use two cores, not one GIL). A process
+    # runs the model in-process: not with Ray stage actors or the Ray object-store connector.
+    engine_loop: Literal["thread", "process"] = "thread"
+
+    @model_validator(mode="after")
+    def _engine_loop_fits(self) -> EngineConfig:
+        if self.engine_loop == "process":
+            if self.parallel.uses_ray:
+                raise ValueError("engine_loop: process runs the model in the engine process; "
+                                 "pipeline stages on Ray actors need engine_loop: thread")
+            if self.kv_transfer.connector == "ray_object_store":
+                raise ValueError("engine_loop: process has no Ray inside the engine process; "
+                                 "the ray_object_store connector needs engine_loop: thread")
+        return self
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:

@@ -34,7 +34,7 @@ from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMe
 from tokenflow.cluster.pd import PrefillClient
 from tokenflow.config import EngineConfig
 from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
-from tokenflow.replica.llm_engine import ProcessedRequest
+from tokenflow.replica.input_processor import ProcessedRequest
 from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams, TokenLogprobs
 

@@ -1,113 +1,134 @@
-"""AsyncEngine: the step loop in its own thread, with asyncio streams for callers."""
+"""AsyncEngine: asyncio streams for callers, over an engine loop that runs in a thread of
+this process or in a process of its own (`engine_loop`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import queue
-import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.llm_engine import LLMEngine, ProcessedRequest
+from tokenflow.replica.engine_loop import (
+    EngineDeadError,
+    EngineState,
+    ProcessLoop,
+    ThreadLoop,
+)
+from tokenflow.replica.input_processor import InputProcessor, ProcessedRequest
+from tokenflow.replica.llm_engine import LLMEngine
 from tokenflow.replica.output_processor import RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; the replica must be replaced."""
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt: str | None
+    prompt_token_ids: list[int]
 
 
 class AsyncEngine:
-    """Owns an LLMEngine and the thread that steps it.
+    """Owns the client streams of one engine and the loop that steps it (`ThreadLoop`: an
+    `LLMEngine` in a thread here; `ProcessLoop`: one in a process of its own, as
+    `EngineConfig.engine_loop` says).
 
     Callers on any asyncio loop get `generate(...)`, an async iterator of `RequestOutput`
     deltas; closing or cancelling the iterator aborts the request and frees its blocks.
-    `pause`/`resume` reach the scheduler through the engine thread, in order with requests.
+    `pause`/`resume` reach the scheduler through the loop, in order with requests.
     """
 
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._stop = False
-        self.error: BaseException | None = None
-        # What callers asked for last (the engine thread applies it before its next step).
+        # What callers asked for last (the loop applies it before its next step).
         self._pause_state = PauseState.UNPAUSED
-        # Whether the engine thread's latest turn found work a step could do.
-        self._has_work = False
-        self._thread = threading.Thread(target=self._run, name="tokenflow-engine", daemon=True)
-        self._thread.start()
+        self._loop: ThreadLoop | ProcessLoop
+        if engine is None and config.engine_loop == "process":
+            self._loop = ProcessLoop(config, self._deliver_step, self._fail_all)
+        else:
+            self._loop = ThreadLoop(engine or LLMEngine(config), self._deliver_step,
+                                    self._fail_all)
+        # The engine of this process (None when it runs in its own).
+        self.engine: LLMEngine | None = self._loop.engine
+        info = self._loop.info
+        self._inputs = InputProcessor(self._loop.tokenizer, info.max_model_len,
+                                      info.vocab_size, config.structured_outputs)
 
     # ---------------------------------------------------------------------- public API
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._loop.info.model_name
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._loop.tokenizer
 
     @property
     def load_time_s(self) -> float:
-        return self.engine.load_time_s
+        return self._loop.info.load_time_s
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._loop.info.max_model_len
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (None when the engine runs in this process)."""
+        return self._loop.pid if isinstance(self._loop, ProcessLoop) else None
+
+    @property
+    def _state(self) -> EngineState:
+        return self._loop.state()
 
     @property
     def stats(self) -> SchedulerStats:
         """Gauges of the last step. An idle engine takes no steps, so when nothing is
         unfinished the running and waiting counts are reported as zero."""
-        last = self.engine.last_stats
-        if self.engine.has_unfinished_requests():
-            return last
-        return SchedulerStats(kv_cache_usage=last.kv_cache_usage)
+        return self._state.stats
 
     @property
     def totals(self) -> SchedulerStats:
         """Counters (prefix-cache queries and hits, preemptions, drafts) since start."""
-        return self.engine.totals
+        return self._state.totals
 
     @property
     def kv_cache(self) -> tuple[int, int]:
-        """(free blocks, total blocks) of the KV cache now."""
-        return self.engine.kv_cache_blocks()
+        """(free blocks, total blocks) of the KV cache as of the last step."""
+        return self._state.kv_cache
 
     @property
     def request_counts(self) -> tuple[int, int]:
-        """(running, waiting) requests now."""
-        return self.engine.request_counts()
+        """(running, waiting) requests as of the last step."""
+        return self._state.request_counts
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._loop.error
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._loop.is_alive()
 
     def check_health(self) -> None:
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self.error!r}")
         try:
-            self.engine.check_health()
+            self._loop.check_health()
+        except EngineDeadError:
+            raise
         except Exception as exc:
             raise EngineDeadError(f"the model executor failed: {exc}") from exc
 
     def process_inputs(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0,
                        kv_transfer_params: dict | None = None) -> ProcessedRequest:
-        return self.engine.process_inputs(request_id or uuid.uuid4().hex, prompt, params,
-                                          priority, kv_transfer_params)
+        return self._inputs.process(request_id or uuid.uuid4().hex, prompt, params, priority,
+                                    kv_transfer_params)
 
     async def generate(self, prompt: str | list[int] | ProcessedRequest,
                        params: SamplingParams | None = None, request_id: str | None = None,
@@ -134,7 +155,8 @@ class AsyncEngine:
         request_id = processed.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), processed.prompt,
+                         processed.prompt_token_ids)
         self._streams[request_id] = stream
         self._send(("add", processed))
         finished = False
@@ -159,7 +181,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        with contextlib.suppress(EngineDeadError):  # a dead engine holds nothing to free
+            self._send(("abort", request_id))
 
     # --------------------------------------------------------------------------- pausing
     def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
@@ -186,49 +209,18 @@ class AsyncEngine:
         """No step could make progress: nothing runs and nothing waits that may run (paused,
         what the pause holds back does not count), with no command left to apply. Drained,
         once paused with PAUSED_NEW."""
-        return not self._has_work and self._inbox.empty()
+        return self._loop.is_idle()
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wakeup.set()
-        self._thread.join(timeout=30)
-        self.engine.shutdown()
+        self._loop.shutdown()
 
-    # --------------------------------------------------------------------- engine thread
+    # ------------------------------------------------------------------ the loop's side
     def _send(self, command: tuple) -> None:
-        self._inbox.put(command)
-        self._wakeup.set()
+        self._loop.send(command)
 
-    def _run(self) -> None:
-        try:
-            while not self._stop:
-                self._drain_inbox()
-                self._has_work = self.engine.has_work()
-                if not self._has_work:
-                    self._wakeup.wait(timeout=1.0)
-                    self._wakeup.clear()
-                    continue
-                self._deliver_step(self.engine.step())
-        except BaseException as exc:  # the loop itself broke: fail every stream
-            logger.exception("engine loop died")
-            self.error = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self.engine.add_processed(payload)
-            elif kind == "abort":
-                self.engine.abort_request([payload])
-            elif kind == "pause":
-                self.engine.pause(payload)
-            else:
-                self.engine.resume()
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, error)
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one per
@@ -237,6 +229,9 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
+                if self.engine is None:  # the engine process sent the deltas without them
+                    output.prompt, output.prompt_token_ids = (stream.prompt,
+                                                              stream.prompt_token_ids)
                 by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)

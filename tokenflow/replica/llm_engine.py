@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 from tokenflow.config import EngineConfig
 from tokenflow.replica.engine import EngineCore
+from tokenflow.replica.input_processor import InputProcessor, ProcessedRequest
 from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
-from tokenflow.replica.structured_output import grammar_of
-from tokenflow.scheduler import PauseState, Request, RequestStatus, SamplingParams, SchedulerStats
+from tokenflow.scheduler import PauseState, RequestStatus, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ProcessedRequest:
-    """A validated client request: its engine-side sequences (n of them) and its prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sequences: list[Request]
 
 
 class LLMEngine:
@@ -47,6 +34,8 @@ class LLMEngine:
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
+                                              self.vocab_size, config.structured_outputs)
         self.last_stats = SchedulerStats()
         # Counters summed over every step since start (gauges are last_stats's).
         self.totals = SchedulerStats()
@@ -55,67 +44,9 @@ class LLMEngine:
     def process_inputs(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None, priority: int = 0,
                        kv_transfer_params: dict | None = None) -> ProcessedRequest:
-        """Tokenize and validate; raises ValueError with a message a client can read.
-
-        The one place a prompt's length is checked against `max_model_len` and `max_tokens`
-        is resolved (None: whatever room the context leaves)."""
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        self._validate(token_ids, params)
-        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        eos = self.tokenizer.eos_token_id
-        # A model may end turns with several tokens; all but the primary EOS act as stop ids.
-        extra_stops = [] if params.ignore_eos else sorted(
-            self.tokenizer.eos_token_ids - {eos} - set(params.stop_token_ids))
-        params = dataclasses.replace(params, max_tokens=max_tokens,
-                                     stop_token_ids=[*params.stop_token_ids, *extra_stops])
-        # A request continued from another engine (prefill/decode disaggregation) arrives with
-        # the token(s) that engine already generated: they are its first outputs here too.
-        first_ids = list((kv_transfer_params or {}).get("first_token_ids") or [])
-        if first_ids and (params.n != 1 or max(first_ids) >= self.vocab_size
-                          or min(first_ids) < 0 or len(first_ids) >= max_tokens):
-            raise ValueError("kv_transfer_params.first_token_ids needs n=1, ids in the "
-                             "vocabulary and room for more tokens")
-        arrival = time.monotonic()
-        sequences = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = dataclasses.replace(params, seed=params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            sequences.append(Request(child_id, token_ids, child_params, arrival_time=arrival,
-                                     priority=priority, eos_token_id=eos,
-                                     kv_transfer_params=kv_transfer_params,
-                                     output_token_ids=list(first_ids)))
-        return ProcessedRequest(request_id, text, token_ids, params, sequences)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, but this server's context "
-                             f"limit is max_model_len={self.max_model_len} tokens, and at least "
-                             "one must be left to generate")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens exceed "
-                f"this server's context limit max_model_len={self.max_model_len}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.vocab_size:
-                raise ValueError(f"{name} must be <= the vocabulary size {self.vocab_size}")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size})")
-        if params.structured_outputs is not None:
-            # Parse the schema, regex or grammar now (cheap; compiling it against the
-            # vocabulary is not, and happens off the engine thread): a bad one is the
-            # client's 400, not a failed request later.
-            grammar_of(params.structured_outputs, self.config.structured_outputs)
+        """See `InputProcessor.process`."""
+        return self.input_processor.process(request_id, prompt, params, priority,
+                                            kv_transfer_params)
 
     # ------------------------------------------------------------------------- requests
     def add_processed(self, processed: ProcessedRequest) -> None:

@@ -1,0 +1,144 @@
+"""The engine loop in a process of its own (`engine_loop: process`): the same tokens, text and
+behaviour as the loop in a thread (streams, stop strings, n > 1, cancellation, pause and
+drain, bad input), a dead engine process fails its streams at once, and shutdown leaves no
+process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import psutil
+import pytest
+
+from tokenflow.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
+from tokenflow.scheduler import PauseState, SamplingParams
+
+CONFIG = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=16),
+                      scheduler=SchedulerConfig(max_num_batched_tokens=256))
+PROMPTS = [f"Request number {i} says hello" for i in range(6)]
+REQUESTS = [
+    *[(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for p in PROMPTS],
+    ("stop me", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                               stop=["e", "a"])),
+    ("two seeded", SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=3,
+                                  ignore_eos=True)),
+]
+
+
+@pytest.fixture(scope="module")
+def process_engine():
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams
+                  ) -> list[tuple[str, list[int], str | None]]:
+    choices: dict[int, tuple[str, list[int], str | None]] = {}
+    async for delta in engine.generate(prompt, params):
+        for c in delta.outputs:
+            text, ids, finish = choices.get(c.index, ("", [], None))
+            choices[c.index] = (text + c.text, ids + c.token_ids, c.finish_reason or finish)
+    return [choices[i] for i in sorted(choices)]
+
+
+async def run_all(engine: AsyncEngine) -> list[list[tuple[str, list[int], str | None]]]:
+    return await asyncio.gather(*(collect(engine, p, s) for p, s in REQUESTS))
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_engine_process_gives_what_the_engine_thread_gives(process_engine) -> None:
+    thread_engine = AsyncEngine(CONFIG)
+    try:
+        expected = asyncio.run(run_all(thread_engine))
+    finally:
+        thread_engine.shutdown()
+    got = asyncio.run(run_all(process_engine))
+    assert got == expected
+    assert expected[6][0][2] == "stop" and len(expected[7]) == 2
+    # The engine lives in another process; its state comes back with every step.
+    assert process_engine.engine is None and process_engine.engine_pid != os.getpid()
+    free, total = process_engine.kv_cache
+    assert free == total == 128 and process_engine.request_counts == (0, 0)
+    assert process_engine.totals.prefix_cache_queries > 0
+
+
+def test_bad_input_is_refused_here_before_it_reaches_the_engine(process_engine) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        process_engine.process_inputs([1] * (process_engine.max_model_len + 1))
+    with pytest.raises(ValueError, match="empty"):
+        process_engine.process_inputs([])
+
+
+def test_cancel_frees_blocks_and_pause_drains(process_engine) -> None:
+    async def run() -> None:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = process_engine.generate("a long story " * 20, params)
+        async for _ in stream:
+            break
+        assert process_engine.kv_cache[0] < 128  # still running when we walk away
+        await stream.aclose()
+        await wait_for(lambda: process_engine.kv_cache[0] == 128 and process_engine.is_idle(),
+                       "the aborted request's blocks")
+        # Paused with PAUSED_NEW: a running request finishes, a new one waits.
+        long = asyncio.create_task(collect(process_engine, "before the pause",
+                                           SamplingParams(max_tokens=60, ignore_eos=True)))
+        await wait_for(lambda: process_engine.request_counts[0] == 1, "the first request")
+        process_engine.pause(PauseState.PAUSED_NEW)
+        late = asyncio.create_task(collect(process_engine, "after the pause",
+                                           SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert len((await long)[0][1]) == 60
+        await wait_for(process_engine.is_idle, "a drained engine")
+        assert not late.done() and process_engine.request_counts == (0, 1)
+        process_engine.resume()
+        assert len((await late)[0][1]) == 4
+
+    asyncio.run(run())
+
+
+def test_a_dead_engine_process_fails_its_streams_and_health() -> None:
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    try:
+        async def run() -> None:
+            params = SamplingParams(max_tokens=10_000 // 16, temperature=0.0, ignore_eos=True)
+            stream = engine.generate("doomed", params)
+            async for _ in stream:
+                os.kill(engine.engine_pid, signal.SIGKILL)  # a process this test started
+                break
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+
+        asyncio.run(run())
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect(engine, "after", SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_leaves_no_engine_process() -> None:
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    pid = engine.engine_pid
+    assert psutil.pid_exists(pid)
+    engine.shutdown()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_engine_process_refuses_what_needs_ray_inside_it() -> None:
+    with pytest.raises(ValueError, match="engine_loop"):
+        EngineConfig(engine_loop="process", parallel=ParallelConfig(pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="engine_loop"):
+        EngineConfig(engine_loop="process",
+                     kv_transfer={"connector": "ray_object_store"})
