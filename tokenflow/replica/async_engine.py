@@ -108,7 +108,12 @@ class AsyncEngine:
 
     @property
     def error(self) -> BaseException | None:
+        """Why the loop stopped (None while it runs)."""
         return self._loop.error
+
+    @error.setter
+    def error(self, error: BaseException | None) -> None:
+        self._loop.error = error
 
     @property
     def is_running(self) -> bool:
