@@ -72,6 +72,9 @@ class SchedulerConfig(_Frozen):
     policy: str = "fcfs"
     # "module:Class" of another scheduler with the same interface.
     scheduler_cls: str | None = None
+    # Schedule step N+1 while step N runs (AsyncScheduler): the model never waits for the
+    # scheduler and the output processing. One pipeline stage, no speculative decoding.
+    async_scheduling: bool = False
 
     @field_validator("policy")
     @classmethod
@@ -188,6 +191,18 @@ class EngineConfig(_Frozen):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+
+    @model_validator(mode="after")
+    def _async_scheduling_supported(self) -> EngineConfig:
+        # A step scheduled ahead feeds the token its own worker sampled a step before: the
+        # first stage of a pipeline never sees it, and drafts are verified a step too late.
+        if self.scheduler.async_scheduling:
+            if self.parallel.uses_ray:
+                raise ValueError("async_scheduling runs with the in-process executor (one "
+                                 "stage; a pipeline keeps a batch in flight per stage anyway)")
+            if self.speculative.method is not None:
+                raise ValueError("async_scheduling does not support speculative decoding")
+        return self
 
 
 def resolve_max_model_len(config: EngineConfig, model_max_len: int, num_blocks: int) -> int:
