@@ -74,6 +74,9 @@ class SchedulerConfig(_Frozen):
     session_idle_timeout_s: float = Field(default=60.0, gt=0)
     # "module:Class" of another scheduler with the same interface.
     scheduler_cls: str | None = None
+    # Schedule step N+1 while step N runs (AsyncScheduler): the model never waits for the
+    # scheduler and the output processing. One pipeline stage, no speculative decoding.
+    async_scheduling: bool = False
 
     @field_validator("policy")
     @classmethod
@@ -204,6 +207,18 @@ class EngineConfig(_Frozen):
             if self.kv_transfer.connector == "ray_object_store":
                 raise ValueError("engine_loop: process has no Ray inside the engine process; "
                                  "the ray_object_store connector needs engine_loop: thread")
+        return self
+
+    @model_validator(mode="after")
+    def _async_scheduling_supported(self) -> EngineConfig:
+        # A step scheduled ahead feeds the token its own worker sampled a step before: the
+        # first stage of a pipeline never sees it, and drafts are verified a step too late.
+        if self.scheduler.async_scheduling:
+            if self.parallel.uses_ray:
+                raise ValueError("async_scheduling runs with the in-process executor (one "
+                                 "stage; a pipeline keeps a batch in flight per stage anyway)")
+            if self.speculative.method is not None:
+                raise ValueError("async_scheduling does not support speculative decoding")
         return self
 
 

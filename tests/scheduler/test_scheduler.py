@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from tests.scheduler import utils
 from tests.scheduler.utils import (
     FakeRunner,
     create_requests,
@@ -28,6 +29,18 @@ from tokenflow.scheduler import (
 )
 from tokenflow.scheduler import scheduler as scheduler_module
 from tokenflow.scheduler.stop import ends_in_repetition
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def scheduler_kind(request, monkeypatch):
+    """Every scenario against both schedulers: `create_scheduler` builds an AsyncScheduler in
+    the async run, and `run_until_done` then keeps two steps in flight. (`step` below applies
+    each step's results before the next is scheduled: there the AsyncScheduler must behave
+    exactly as the synchronous one.)"""
+    if request.param and request.node.get_closest_marker("sync_only"):
+        pytest.skip("a scenario of the synchronous scheduler")
+    monkeypatch.setattr(utils, "ASYNC", request.param)
+    return request.param
 
 
 def step(scheduler, runner):
@@ -148,6 +161,7 @@ def test_max_model_len_caps_length():
     assert res["finish_reason"] == "length" and len(res["tokens"]) == 10
 
 
+@pytest.mark.sync_only  # speculative decoding: synchronous only
 def test_tokens_after_a_stop_are_trimmed():
     # Speculative decoding can produce several tokens in a step; a stop in the middle trims.
     scheduler = create_scheduler()
@@ -262,6 +276,7 @@ def test_a_stop_token_wins_over_a_repetition_it_completes():
     assert res["tokens"] == [6, 6, 6]
 
 
+@pytest.mark.sync_only  # multi-token steps come from speculative decoding: synchronous only
 def test_repetition_in_multi_token_steps_is_cut_at_the_earliest_point():
     # Accepted drafts bring several tokens a step: the repetition completes inside the third
     # step, spanning the second, and the tokens after it are trimmed as after a stop token.
@@ -521,6 +536,7 @@ def test_eviction_prefers_oldest_freed_and_tail_blocks():
 
 
 # ---------------------------------------------------------------------- spec decoding
+@pytest.mark.sync_only  # speculative decoding: synchronous only
 def test_spec_tokens_scheduled_only_when_decoding_and_rolled_back():
     scheduler = create_scheduler(max_num_batched_tokens=8)
     (r,) = create_requests(1, 20, max_tokens=50)
@@ -617,6 +633,7 @@ def test_partial_prefill_gets_no_output():
     assert r.num_computed_tokens == 16
 
 
+@pytest.mark.sync_only  # counts admission attempts of the synchronous step timing
 def test_prefix_lookups_are_counted_once_per_admission():
     # Without chunking, b (a full block behind a) waits for budget for several steps; each
     # failed admission attempt looks its prefix up again, but only the admission counts.
@@ -661,6 +678,7 @@ def test_paused_new_admits_nothing_new_and_running_requests_finish():
     assert scheduler.schedule().total_num_scheduled_tokens == 0
 
 
+@pytest.mark.sync_only  # async holds a slot per token in flight: other preemptions
 def test_paused_new_readmits_preempted_requests():
     # This scheduler frees a victim's blocks, so a preempted request holds none; it ran
     # before, though, and a drain must see it finish.

@@ -32,7 +32,10 @@ class EngineCore:
     and the scheduler found work, and otherwise waits for the oldest batch and applies its
     results. A request in an unfinished batch has nothing left to compute (its
     `num_computed_tokens` already counts the batch), so the scheduler skips it until its
-    sampled token arrives. With one stage this is schedule -> execute -> update.
+    sampled token arrives. With one stage this is schedule -> execute -> update; with async
+    scheduling (one stage, `AsyncScheduler`) two batches are in flight: step N+1 is scheduled
+    while N runs, its requests' unsampled tokens counted as output placeholders, and N's
+    results are applied while N+1 runs.
 
     It is the one place the layers above ask about the model's limits (`max_model_len`,
     `vocab_size`) and the KV cache, so none of them reaches into the scheduler or executor.
@@ -51,7 +54,8 @@ class EngineCore:
         self.scheduler = build_scheduler(
             config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
             config.kv_transfer, config.parallel.pipeline_parallel_size, self.structured_outputs)
-        self._max_in_flight = config.parallel.pipeline_parallel_size
+        self._max_in_flight = (config.parallel.pipeline_parallel_size
+                               + config.scheduler.async_scheduling)
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
 
     def add_request(self, request: Request) -> None:

@@ -3,7 +3,7 @@ pipeline stage, `ray_executor.RayExecutor`). The engine depends on the `Executor
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from tokenflow.config import EngineConfig, resolve_max_model_len
@@ -35,7 +35,10 @@ class Executor(Protocol):
 
 
 class InProcExecutor:
-    """Owns one Worker holding every layer, in this process; its steps are done on return."""
+    """Owns one Worker holding every layer, in this process. Its steps are done on return,
+    or, with async scheduling, run one at a time in order on a thread of their own, so the
+    engine thread schedules the next step while this one computes (torch ops release the
+    GIL)."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.parallel.pipeline_parallel_size != 1:
@@ -46,21 +49,30 @@ class InProcExecutor:
             config, self.worker.arch.max_position_embeddings, self.num_blocks)
         self.vocab_size = self.worker.arch.vocab_size
         self.worker.init_cache(self.num_blocks, self.max_model_len)
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenflow-model")
+                        if config.scheduler.async_scheduling else None)
 
     def execute_model(self, sched_out: SchedulerOutput) -> StepResult:
+        if self._thread is not None:
+            return self._thread.submit(self._run, sched_out)
         future: Future[ModelRunnerOutput] = Future()
         try:
-            out = self.worker.execute_model(sched_out)
-            assert isinstance(out, ModelRunnerOutput)  # the only stage is the last
-            future.set_result(out)
+            future.set_result(self._run(sched_out))
         except Exception as exc:  # delivered where the engine waits for the step
             future.set_exception(exc)
         return future
+
+    def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.worker.execute_model(sched_out)
+        assert isinstance(out, ModelRunnerOutput)  # the only stage is the last
+        return out
 
     def check_health(self) -> None:
         pass
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         self.worker.shutdown()
 
 

@@ -90,7 +90,9 @@ class InputBatch:
             # drafts are computed before it learns them as outputs.
             start = min(max(cached.num_computed_tokens[i], num_prompt), state.num_tokens)
             new_tokens = cached.new_token_ids[i]
-            if new_tokens:
+            # A resumed request drops tokens the scheduler never took (sampled by a step that
+            # was in flight when it was preempted): it recomputes them.
+            if new_tokens or cached.resumed_from_preemption[i]:
                 del state.output_token_ids[start - num_prompt:]
                 state.output_token_ids.extend(new_tokens)
                 self.token_ids[state.row, start:start + len(new_tokens)] = new_tokens
@@ -98,6 +100,16 @@ class InputBatch:
                 state.num_blocks = 0
             self._append_blocks(state, cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def append_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Remember the tokens this worker just sampled (async scheduling): the next step may
+        be scheduled before the scheduler knows them, and then feeds them from here."""
+        for req_id, tokens in zip(req_ids, sampled, strict=True):
+            if tokens:
+                state = self.states[req_id]
+                n = state.num_tokens
+                self.token_ids[state.row, n:n + len(tokens)] = tokens
+                state.output_token_ids.extend(tokens)
 
     def _append_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
         if block_ids:

@@ -28,12 +28,14 @@ class ModelRunner:
     """Owns a stage's model, its KV cache tensors and the persistent batch.
 
     The last stage computes logits only for the last token of each request whose prefill is
-    complete this step (plus every token of a request that asked for prompt logprobs).
+    complete this step (plus every token of a request that asked for prompt logprobs). With
+    `keep_sampled` (async scheduling) it appends what it samples to its own batch, since the
+    next step may come before the scheduler sends those tokens back.
     """
 
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], *, block_size: int,
                  max_model_len: int, device: torch.device, seed: int = 0,
-                 drafter: NgramDrafter | None = None) -> None:
+                 drafter: NgramDrafter | None = None, keep_sampled: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -42,6 +44,7 @@ class ModelRunner:
         self.batch = InputBatch(max_model_len, block_size)
         self.sampler = Sampler(seed=seed, device=device)
         self.drafter = drafter
+        self.keep_sampled = keep_sampled
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -97,6 +100,8 @@ class ModelRunner:
                     logprobs[inputs.req_ids[i]] = result.logprobs[first:first + len(kept)]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden, states)
         drafts = self._propose(inputs, sampled) if self.drafter is not None else None
+        if self.keep_sampled:
+            self.batch.append_sampled(inputs.req_ids, sampled)
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs or None, prompt_logprobs,
                                  draft_token_ids=drafts)
 

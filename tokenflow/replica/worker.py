@@ -115,7 +115,8 @@ class Worker:
                                    spec.prompt_lookup_max)
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs,
                                   max_model_len=max_model_len, device=self.device,
-                                  seed=self.config.model.seed, drafter=drafter)
+                                  seed=self.config.model.seed, drafter=drafter,
+                                  keep_sampled=self.config.scheduler.async_scheduling)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_caches, self.layer_range)
 

@@ -1,5 +1,6 @@
 """Requests, queues and the token-budget scheduler. Knows nothing of torch, Ray or HTTP."""
 
+from tokenflow.scheduler.async_scheduler import AsyncScheduler
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.factory import build_scheduler, import_scheduler_cls
 from tokenflow.scheduler.pause import PAUSE_MODES, PauseState
@@ -11,7 +12,7 @@ from tokenflow.scheduler.sched_output import CachedRequestData, NewRequestData, 
 from tokenflow.scheduler.scheduler import Scheduler
 
 __all__ = [
-    "PAUSE_MODES", "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue",
+    "PAUSE_MODES", "AsyncScheduler", "CachedRequestData", "EngineCoreOutput", "EngineCoreOutputs", "FCFSQueue",
     "ModelRunnerOutput", "NewRequestData", "PauseState", "PriorityQueue",
     "RepetitionDetectionParams", "Request", "RequestQueue", "RequestStatus", "SamplingParams",
     "Scheduler", "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "build_scheduler",

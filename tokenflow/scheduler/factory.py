@@ -6,6 +6,7 @@ import importlib
 import warnings
 
 from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from tokenflow.scheduler.async_scheduler import AsyncScheduler
 from tokenflow.scheduler.scheduler import Scheduler
 
 
@@ -29,9 +30,10 @@ def build_scheduler(
     num_stages: int = 1,
     structured_outputs: object | None = None,
 ) -> Scheduler:
-    """The configured scheduler class; `structured_outputs` is the engine's grammar manager
+    """The configured scheduler class (`AsyncScheduler` with async scheduling, unless a
+    `scheduler_cls` is given); `structured_outputs` is the engine's grammar manager
     (replica.structured_output.StructuredOutputManager), None where the engine has none."""
-    cls: type[Scheduler] = Scheduler
+    cls: type[Scheduler] = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
     if scheduler_config.scheduler_cls:
         cls = import_scheduler_cls(scheduler_config.scheduler_cls)
         warnings.warn(
