@@ -193,21 +193,29 @@ class EngineConfig(_Frozen):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
-    # Where the step loop runs when served: a thread of the serving process, or a process of
-    # its own (the engine and the HTTP event loop then use two cores, not one GIL). A process
-    # runs the model in-process: not with Ray stage actors or the Ray object-store connector.
-    engine_loop: Literal["thread", "process"] = "thread"
+    # Where AsyncEngine (a served replica) runs the step loop: a thread of the serving process,
+    # or a process of its own (the engine and the HTTP event loop then use two cores, not one
+    # GIL: bench/README.md). The process runs the model itself, so not with Ray stage actors or
+    # the Ray object-store connector; auto: the process wherever it can.
+    engine_loop: Literal["auto", "thread", "process"] = "auto"
 
     @model_validator(mode="after")
     def _engine_loop_fits(self) -> EngineConfig:
-        if self.engine_loop == "process":
-            if self.parallel.uses_ray:
-                raise ValueError("engine_loop: process runs the model in the engine process; "
-                                 "pipeline stages on Ray actors need engine_loop: thread")
-            if self.kv_transfer.connector == "ray_object_store":
-                raise ValueError("engine_loop: process has no Ray inside the engine process; "
-                                 "the ray_object_store connector needs engine_loop: thread")
+        if self.engine_loop == "process" and self._needs_ray_in_the_engine:
+            raise ValueError("engine_loop: process runs the model in an engine process without "
+                             "Ray; pipeline stages on Ray actors and the ray_object_store "
+                             "connector need engine_loop: thread (or auto)")
         return self
+
+    @property
+    def _needs_ray_in_the_engine(self) -> bool:
+        return self.parallel.uses_ray or self.kv_transfer.connector == "ray_object_store"
+
+    @property
+    def uses_engine_process(self) -> bool:
+        """Whether AsyncEngine runs the step loop in a process of its own."""
+        return self.engine_loop == "process" or (self.engine_loop == "auto"
+                                                 and not self._needs_ray_in_the_engine)
 
     @model_validator(mode="after")
     def _async_scheduling_supported(self) -> EngineConfig:

@@ -160,12 +160,13 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 def test_the_engine_in_a_process_of_its_own_serves_the_api(offline: LLM, tmp_path: Path
                                                             ) -> None:
     """`engine_loop: process` in the default mode: the replica's engine runs in a child
-    process of the replica, and the API is the same, token-exact."""
+    process of the replica, and the API is the same, token-exact. (`auto`, the default, is
+    this too: every serving test runs it; this one makes sure of the process.)"""
     mode = AppConfig().serving_mode
     server, url = _start(mode, 1, tmp_path, engine={"engine_loop": "process"})
     try:
         server.wait_for(READY)
-        assert "engine loop: process" in server.output
+        assert "engine loop: an engine process" in server.output
         [replica] = _replica_processes(server)
         assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)

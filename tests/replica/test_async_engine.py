@@ -18,8 +18,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine():
+    # The loop in a thread of this process: these tests reach into the engine it steps
+    # (test_engine_loop.py runs the engine process against it).
     config = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=16),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256),
+                          engine_loop="thread")
     engine = AsyncEngine(config)
     yield engine
     engine.shutdown()

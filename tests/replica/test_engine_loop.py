@@ -58,7 +58,7 @@ async def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 
 def test_the_engine_process_gives_what_the_engine_thread_gives(process_engine) -> None:
-    thread_engine = AsyncEngine(CONFIG)
+    thread_engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "thread"}))
     try:
         expected = asyncio.run(run_all(thread_engine))
     finally:
@@ -142,3 +142,10 @@ def test_engine_process_refuses_what_needs_ray_inside_it() -> None:
     with pytest.raises(ValueError, match="engine_loop"):
         EngineConfig(engine_loop="process",
                      kv_transfer={"connector": "ray_object_store"})
+    # auto: the engine process wherever it can run, the thread where Ray must be inside.
+    assert EngineConfig().uses_engine_process
+    assert EngineConfig(kv_transfer={"connector": "torch_p2p"}).uses_engine_process
+    assert not EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2)
+                            ).uses_engine_process
+    assert not EngineConfig(kv_transfer={"connector": "ray_object_store"}).uses_engine_process
+    assert not EngineConfig(engine_loop="thread").uses_engine_process

@@ -83,7 +83,8 @@ async def test_idle_session_expires_in_the_engine_loop():
 async def test_a_request_waiting_for_a_slot_idle_sessions_hold_does_not_spin_the_loop():
     engine = AsyncEngine(EngineConfig(
         cache=CacheConfig(num_blocks=96, block_size=16),
-        scheduler=SchedulerConfig(max_num_seqs=1, session_idle_timeout_s=30)))
+        scheduler=SchedulerConfig(max_num_seqs=1, session_idle_timeout_s=30),
+        engine_loop="thread"))  # its clock and step are patched here
     now = [0.0]
     engine.engine.core.scheduler.sessions.clock = lambda: now[0]
     steps = [0]

@@ -287,10 +287,9 @@ def _run(config: AppConfig, started_ray: bool,
         serve.start(http_options={"host": config.host, "port": config.port})
         mode = config.serving_mode
         _say(f"serving mode {mode.value}: {mode.describe()}")
-        _say(f"engine loop: {config.engine.engine_loop} ("
-             + ("a process of its own beside each replica's HTTP"
-                if config.engine.engine_loop == "process"
-                else "a thread of each replica's process") + ")")
+        _say("engine loop: " + ("an engine process beside each replica's HTTP"
+                                if config.engine.uses_engine_process
+                                else "a thread of each replica's process"))
         _say(f"deploying {config.engine.model.name} ...")
         try:
             deployed = True

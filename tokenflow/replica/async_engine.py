@@ -48,7 +48,7 @@ class AsyncEngine:
         # What callers asked for last (the loop applies it before its next step).
         self._pause_state = PauseState.UNPAUSED
         self._loop: ThreadLoop | ProcessLoop
-        if engine is None and config.engine_loop == "process":
+        if engine is None and config.uses_engine_process:
             self._loop = ProcessLoop(config, self._deliver_step, self._fail_all)
         else:
             self._loop = ThreadLoop(engine or LLMEngine(config), self._deliver_step,
