@@ -57,7 +57,9 @@ PY_SPY = (str(Path(sys.executable).parent / "py-spy")
 
 @dataclass(frozen=True)
 class ServedMode:
-    """One served configuration: a serving mode, and the stream interval (chunk coalescing)."""
+    """One served configuration: a serving mode, the stream interval (chunk coalescing) and
+    the engine loop. The modes measured before the engine process existed keep the thread
+    loop they were measured with; `haproxy_engine_process` is the default configuration."""
 
     label: str
     serving_mode: str

@@ -10,18 +10,11 @@ import threading
 
 import pytest
 
+from tests.replica.test_engine import SCENARIOS  # the engine tests' paths, async on and off
 from tokenflow.config import EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from tokenflow.replica.llm import LLM
 from tokenflow.scheduler import AsyncScheduler, SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
-
-SCENARIOS = {
-    "plain": dict(max_num_batched_tokens=4096, num_blocks=512, block_size=16),
-    "chunked_prefill": dict(max_num_batched_tokens=32, num_blocks=512, block_size=16),
-    "preemption": dict(max_num_batched_tokens=64, num_blocks=24, block_size=4),
-    "no_prefix_cache": dict(max_num_batched_tokens=4096, num_blocks=512, block_size=8,
-                            enable_prefix_caching=False),
-}
 
 
 def make_prompts(seed: int = 0) -> list[list[int]]:
