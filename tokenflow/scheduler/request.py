@@ -11,7 +11,26 @@ from tokenflow.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Status of a request. Everything after PREEMPTED is finished (see `is_finished`)."""
+    """Status of a request. Everything after PREEMPTED is finished (see `is_finished`).
+
+    How a request moves (the scheduler owns every transition):
+
+    - WAITING -> RUNNING when admitted (prefix hits, budget, `max_num_active_seqs` and the
+      pause state allow); RUNNING -> PREEMPTED when the pool runs out of blocks (its KV is
+      freed; it goes back to the head of the queue and is readmitted as RUNNING).
+    - WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR: on arrival, while its grammar compiles off the
+      engine thread; then WAITING (a failed compile finishes it with FINISHED_ERROR).
+    - WAITING_FOR_REMOTE_KVS: admitted with its blocks allocated while a KV connector loads its
+      prompt from another engine; then WAITING again, and admitted with those tokens computed.
+    - WAITING_FOR_STREAMING_REQ: a session's finished turn, parked with its KV blocks and its
+      slot (`sessions.Sessions`) until the next turn takes them over, the session closes, it
+      expires, or a live request needs the blocks.
+    - A WAITING_FOR_* request is skipped by admission and keeps its place in the queue.
+    - RUNNING -> FINISHED_STOPPED (EOS, stop token or string), FINISHED_LENGTH_CAPPED
+      (`max_tokens`, `max_model_len`), FINISHED_REPETITION (the output repeats a pattern,
+      `SamplingParams.repetition_detection`; "stop" in the API), FINISHED_ABORTED (client gone),
+      FINISHED_ERROR; FINISHED_IGNORED is a prompt that leaves no room to generate.
+    """
 
     WAITING = enum.auto()
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
