@@ -52,8 +52,16 @@ def free_port(ip: str = "127.0.0.1") -> int:
     raise OSError(f"no free port on {ip} in {_PORT_RANGE.start}-{_PORT_RANGE.stop - 1}")
 
 
+# A process that Ray does not run but that serves peers for a Ray worker (the engine process
+# of a replica) is told its node's IP here by its parent.
+NODE_IP_ENV = "TOKENFLOW_NODE_IP"
+
+
 def node_ip() -> str:
-    """This process's node IP: Ray's view when Ray runs here, else loopback."""
+    """This process's node IP: what its parent said (NODE_IP_ENV), else Ray's view when Ray
+    runs here, else loopback."""
+    if os.environ.get(NODE_IP_ENV):
+        return os.environ[NODE_IP_ENV]
     try:
         import ray
     except ImportError:

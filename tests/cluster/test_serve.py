@@ -471,7 +471,9 @@ def test_a_stream_interval_coalesces_chunks_and_keeps_every_token(
     finally:
         coalescing.engine.shutdown()
     assert coalesced == plain and all(len(t) == 40 for t in plain.values())
-    assert plain_items >= 40  # one item per step without an interval
+    # Without an interval each step's delta goes as soon as the stream reads it (deltas of the
+    # engine process that arrive while the stream is busy go together: not one per step).
+    assert plain_items >= 10
     assert items < plain_items / 2  # 40 steps of a few ms, one item per 250 ms
 
 

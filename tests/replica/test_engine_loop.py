@@ -128,6 +128,15 @@ def test_a_dead_engine_process_fails_its_streams_and_health() -> None:
         engine.shutdown()
 
 
+def test_a_new_engine_process_reports_its_state_before_any_step() -> None:
+    # Autoscaling and routing ask a fresh replica for its KV usage before it served anything.
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    try:
+        assert engine.kv_cache == (128, 128) and engine.is_idle()
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_leaves_no_engine_process() -> None:
     engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
     pid = engine.engine_pid

@@ -14,6 +14,7 @@ import copyreg
 import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tokenflow.config import EngineConfig
+from tokenflow.net import NODE_IP_ENV, node_ip
 from tokenflow.replica.llm_engine import LLMEngine
 from tokenflow.replica.model_source import resolve_model
 from tokenflow.replica.output_processor import CompletionOutput, RequestMetrics, RequestOutput
@@ -194,7 +196,8 @@ class ProcessLoop:
         self._deliver, self._fail = deliver, fail
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_engine_process_main, args=(config, child),
+        self._process = context.Process(target=_engine_process_main,
+                                        args=(config, child, node_ip()),
                                         name="tokenflow-engine", daemon=True)
         self._process.start()
         child.close()
@@ -207,8 +210,9 @@ class ProcessLoop:
         if kind != "ready":
             self._process.join(timeout=10)
             raise RuntimeError(f"the engine process did not start: {payload}")
-        self.info: EngineInfo = payload
-        self._state = EngineState()
+        self.info: EngineInfo
+        self._state: EngineState
+        self.info, self._state = payload
         self._sent = 0
         self._send_lock = threading.Lock()
         self._stopping = False
@@ -282,9 +286,12 @@ def _pickle_by_position(cls: type) -> None:
     copyreg.pickle(cls, lambda obj: (cls, tuple(obj.__dict__[n] for n in names)))
 
 
-def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
+def _engine_process_main(config: EngineConfig, conn: Connection, ip: str) -> None:
     """The engine process: load the engine, say it is ready, then step it with commands from
-    the pipe and send each step's outputs back with the engine's state."""
+    the pipe and send each step's outputs back with the engine's state. `ip` is the node's
+    address as the replica knows it (Ray does not run here): KV peers reach this process
+    there."""
+    os.environ[NODE_IP_ENV] = ip
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for cls in (RequestOutput, CompletionOutput, RequestMetrics):
         _pickle_by_position(cls)
@@ -293,8 +300,9 @@ def _engine_process_main(config: EngineConfig, conn: Connection) -> None:
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
-                                   engine.load_time_s)))
+    # The state goes with "ready": the replica answers stats (KV blocks) before any step.
+    conn.send(("ready", (EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                                    engine.load_time_s), engine_state(engine, 0, False))))
 
     def receive(busy: bool) -> list[Command] | None:
         if not conn.poll(0 if busy else _IDLE_WAIT_S):
