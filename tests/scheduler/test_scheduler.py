@@ -31,14 +31,20 @@ from tokenflow.scheduler import scheduler as scheduler_module
 from tokenflow.scheduler.stop import ends_in_repetition
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def pytest_generate_tests(metafunc) -> None:
+    # Every scenario runs against both schedulers, except those marked sync_only (they are
+    # not generated for the AsyncScheduler, rather than skipped).
+    kinds = [False] if metafunc.definition.get_closest_marker("sync_only") else [False, True]
+    metafunc.parametrize("scheduler_kind", kinds, ids=["sync", "async"][:len(kinds)],
+                         indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def scheduler_kind(request, monkeypatch):
-    """Every scenario against both schedulers: `create_scheduler` builds an AsyncScheduler in
+    """Which scheduler a scenario runs against: `create_scheduler` builds an AsyncScheduler in
     the async run, and `run_until_done` then keeps two steps in flight. (`step` below applies
     each step's results before the next is scheduled: there the AsyncScheduler must behave
     exactly as the synchronous one.)"""
-    if request.param and request.node.get_closest_marker("sync_only"):
-        pytest.skip("a scenario of the synchronous scheduler")
     monkeypatch.setattr(utils, "ASYNC", request.param)
     return request.param
 
