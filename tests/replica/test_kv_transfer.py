@@ -39,11 +39,12 @@ def checkpoint(tmp_path_factory):
 
 
 def engine(path, connector: str | None = None, *, budget: int = 4096, pp: int = 1,
-           **transfer) -> LLM:
+           async_scheduling: bool = False, **transfer) -> LLM:
     return LLM(config=EngineConfig(
         model=ModelConfig(model=str(path), num_threads=1),
         cache=CacheConfig(block_size=16, num_blocks=128),
-        scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=budget),
+        scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=budget,
+                                  async_scheduling=async_scheduling),
         parallel=ParallelConfig(pipeline_parallel_size=pp, stage_num_cpus=0.5),
         kv_transfer=KVTransferConfig(connector=connector, **transfer)))
 
@@ -115,9 +116,12 @@ def stepping(llm: LLM) -> Iterator[None]:
 
 
 def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_pp: int = 1,
-                   consumer_pp: int = 1, serve_producer: bool = False) -> None:
-    producer = engine(checkpoint, connector, budget=budget, pp=producer_pp, role="producer")
-    consumer = engine(checkpoint, connector, budget=budget, pp=consumer_pp, role="consumer")
+                   consumer_pp: int = 1, serve_producer: bool = False,
+                   async_scheduling: bool = False) -> None:
+    producer = engine(checkpoint, connector, budget=budget, pp=producer_pp, role="producer",
+                      async_scheduling=async_scheduling)
+    consumer = engine(checkpoint, connector, budget=budget, pp=consumer_pp, role="consumer",
+                      async_scheduling=async_scheduling)
     try:
         prompts = make_prompts()
         warm = [prompts[-1][:40] + [99]]  # the shared prefix, cached on both sides
@@ -141,6 +145,13 @@ def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_
 @pytest.mark.parametrize("budget", [4096, 32], ids=["whole-prompts", "chunked-prefill"])
 def test_pd_over_torch_p2p_is_token_exact(checkpoint, colocated, budget) -> None:
     _disaggregated(checkpoint, colocated, "torch_p2p", budget)
+
+
+@pytest.mark.parametrize("budget", [4096, 32], ids=["whole-prompts", "chunked-prefill"])
+def test_pd_with_async_scheduling_on_both_sides_is_token_exact(checkpoint, colocated,
+                                                               budget) -> None:
+    # The consumer schedules a loaded request's next step while its last one runs.
+    _disaggregated(checkpoint, colocated, "torch_p2p", budget, async_scheduling=True)
 
 
 @pytest.mark.slow
