@@ -7,6 +7,8 @@ import fcntl
 import os
 import socket
 import struct
+import tempfile
+from typing import IO
 
 _SIOCGIFADDR = 0x8915
 
@@ -67,3 +69,37 @@ def node_ip() -> str:
     except ImportError:
         return "127.0.0.1"
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+# Serve's direct ingress gives each replica a port from one range (30000-31000 by default),
+# and each cluster's controller knows only its own: two clusters on one machine hand out the
+# same ports, and a port one frees can be taken by the other while the first's HAProxy still
+# routes to it (a request then reaches the other cluster's replica). Blocks of this range,
+# below the kernel's ephemeral ports, are claimed one per process that starts clusters (the
+# launcher starts one; the tests' other clusters run in network namespaces of their own).
+_PORT_BLOCK_SIZE = 128
+_PORT_BLOCKS = range(30000, 32768 - _PORT_BLOCK_SIZE + 1, _PORT_BLOCK_SIZE)
+_claimed: tuple[IO[str], range] | None = None  # the open lock file holds the block
+
+
+def claim_port_block() -> range:
+    """This process's block of ports, which no other live process on this machine holds
+    through this function. It stays claimed while this process lives (the lock goes with
+    it); later calls return the same block."""
+    global _claimed
+    if _claimed is not None:
+        return _claimed[1]
+    directory = os.path.join(tempfile.gettempdir(), "tokenflow-port-blocks")
+    os.makedirs(directory, exist_ok=True)
+    offset = os.getpid() % len(_PORT_BLOCKS)  # processes claiming at once rarely meet
+    for i in range(len(_PORT_BLOCKS)):
+        start = _PORT_BLOCKS[(offset + i) % len(_PORT_BLOCKS)]
+        lock = open(os.path.join(directory, str(start)), "w")  # noqa: SIM115 - held open
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by another live process
+            lock.close()
+            continue
+        _claimed = lock, range(start, start + _PORT_BLOCK_SIZE)
+        return _claimed[1]
+    raise OSError(f"every block of ports in {_PORT_BLOCKS.start}-{_PORT_BLOCKS.stop} is claimed")

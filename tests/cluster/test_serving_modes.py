@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,6 +73,21 @@ def test_two_haproxy_clusters_get_their_own_files_and_ports() -> None:
     # HAProxy refuses a stats socket path over 97 characters; Ray nests a 56-character
     # directory under the base.
     assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) + 57 <= 97
+
+
+def test_clusters_of_two_processes_get_their_own_replica_ports() -> None:
+    """Serve gives replicas ports from one range per cluster; two clusters in that range, each
+    reusing ports the other freed, route requests to each other's replicas."""
+    lo, hi = "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"
+    here = cluster_env(ServingMode.HAPROXY)
+    mine = range(int(here[lo]), int(here[hi]))
+    assert len(mine) >= 64 and mine.stop <= 32768  # below the kernel's ephemeral ports
+    script = ("from tokenflow.cluster.serving_mode import ServingMode, cluster_env; "
+              f"env = cluster_env(ServingMode.HAPROXY); print(env['{lo}'], env['{hi}'])")
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=True, timeout=120).stdout.split()
+    theirs = range(int(other[0]), int(other[1]))
+    assert not set(mine) & set(theirs)
 
 
 def test_a_cluster_without_the_modes_switches_is_refused(monkeypatch: pytest.MonkeyPatch

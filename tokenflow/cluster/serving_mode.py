@@ -25,7 +25,7 @@ import os
 import tempfile
 from enum import Enum
 
-from tokenflow.net import free_port
+from tokenflow.net import claim_port_block, free_port
 
 
 class ServingMode(str, Enum):
@@ -95,7 +95,9 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
     For HAProxy this also gives the cluster its own HAProxy files and admin ports: Ray's
     defaults (/tmp/haproxy-serve, ports 8404 and 9101) are machine-wide, so two clusters on
     one machine would overwrite each other's HAProxy. One thread per core it may use, at most 2:
-    the proxy only shuffles bytes, and more threads would take CPU from the engine.
+    the proxy only shuffles bytes, and more threads would take CPU from the engine. And the
+    replica ports of this process's block (`net.claim_port_block`), so that the clusters of
+    two processes on one machine never route to each other's replicas.
     """
     env = {**{k: os.environ.get(k, v) for k, v in TUNING.items()}, **switches(mode)}
     if mode is ServingMode.HAPROXY:
@@ -110,6 +112,10 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_NBTHREAD": str(min(2, os.cpu_count() or 1)),
         })
+        ports = claim_port_block()
+        env.update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ports.start),
+                    # Serve allocates from range(min, max): max is not handed out.
+                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ports.stop)})
     return {**env, **body_forwarding(mode, forward_body)}
 
 
