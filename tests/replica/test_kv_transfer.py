@@ -187,8 +187,12 @@ def _hanging_endpoint() -> tuple[socket.socket, int]:
 
 @pytest.mark.parametrize("failure", ["checksum", "dead-producer", "timeout"])
 def test_a_failed_transfer_is_recomputed(checkpoint, colocated, failure) -> None:
-    producer = engine(checkpoint, "torch_p2p", role="producer")
-    consumer = engine(checkpoint, "torch_p2p", role="consumer", load_timeout_s=2.0)
+    # A short lease: blocks that no consumer reads (the timeout case) are freed by its expiry
+    # (a load that outlives it fails too, as it should here).
+    producer = engine(checkpoint, "torch_p2p", role="producer", lease_s=3.0)
+    # Every prompt's load waits out the timeout against the hanging endpoint, one by one.
+    consumer = engine(checkpoint, "torch_p2p", role="consumer",
+                      load_timeout_s=0.5 if failure == "timeout" else 2.0)
     server, port = _hanging_endpoint()
     try:
         prompts = make_prompts()
@@ -207,7 +211,6 @@ def test_a_failed_transfer_is_recomputed(checkpoint, colocated, failure) -> None
         assert consumer.engine.totals.kv_transfer_failures == len(prompts)
         assert_all_free(consumer)
         if failure != "dead-producer":
-            producer.engine.core.scheduler.remote.connector.lease_s = 0.0
             assert_all_free(producer)
     finally:
         server.close()
