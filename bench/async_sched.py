@@ -49,7 +49,8 @@ class ModelClock:
 def run(model_dir: Path, trace, args, async_scheduling: bool) -> tuple[dict, list]:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              kv_cache_memory_bytes=args.kv_bytes, async_scheduling=async_scheduling)
+              kv_cache_memory_bytes=args.kv_bytes, async_scheduling=async_scheduling,
+              num_threads=args.num_threads)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in trace]
     llm.generate([trace[0][0]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
     clock = ModelClock(llm)
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kv-bytes", type=int, default=2 << 30)
     p.add_argument("--model-dir", default=None, help="reuse a written benchmark model")
     p.add_argument("--repeats", type=int, default=1, help="alternating runs of each mode")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the model (default: every core)")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
