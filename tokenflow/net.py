@@ -3,6 +3,7 @@ port, and this process's node IP."""
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import socket
@@ -100,6 +101,7 @@ def claim_port_block() -> range:
         except OSError:  # held by another live process
             lock.close()
             continue
+        atexit.register(lock.close)  # held until then (closing it is what releases it)
         _claimed = lock, range(start, start + _PORT_BLOCK_SIZE)
         return _claimed[1]
     raise OSError(f"every block of ports in {_PORT_BLOCKS.start}-{_PORT_BLOCKS.stop} is claimed")

@@ -174,33 +174,22 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 
 
 @pytest.mark.slow
-def test_the_engine_in_a_process_of_its_own_serves_the_api(offline: LLM, tmp_path: Path
-                                                            ) -> None:
-    """`engine_loop: process` in the default mode: the replica's engine runs in a child
-    process of the replica, and the API is the same, token-exact. (`auto`, the default, is
-    this too: every serving test runs it; this one makes sure of the process.)"""
-    mode = AppConfig().serving_mode
-    server, url = _start(mode, 1, tmp_path, engine={"engine_loop": "process"})
-    try:
-        server.wait_for(READY)
-        assert "engine loop: an engine process" in server.output
-        [replica] = _replica_processes(server)
-        assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
-        _check_the_api(url, offline)
-    finally:
-        server.stop()
-
-
-@pytest.mark.slow
 def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) -> None:
     """Two replicas behind the prefix-aware router: unrelated requests spread over both (by
-    load), and requests that share a long prefix all go where it is cached."""
+    load), and requests that share a long prefix all go where it is cached. Each replica's
+    engine runs in a child process of the replica (`engine_loop: auto`, the default), and the
+    API is the same, token-exact."""
     mode = AppConfig().serving_mode
     server, url = _start(mode, 2, tmp_path, request_router="prefix_aware")
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
+        assert "engine loop: an engine process" in server.output
+        replicas = _replica_processes(server)
+        assert len(replicas) == 2
+        for replica in replicas:
+            assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
 
         def long_request(i: int) -> int:
