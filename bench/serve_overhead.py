@@ -7,9 +7,13 @@ Each served mode is a fresh `tokenflow serve` process (its own Ray cluster, set 
 mode) with the engine config of `--config`, the model replaced by `--model`; the client is
 this process, the same one that runs the in-process engine. Reported per mode and
 concurrency: output throughput, TTFT p50/p99, ITL p50/p99, the loss against the in-process
-engine, and the CPU seconds each process of the server spent during the measured run. Writes
-JSON only where `--out` says; `--profile MODE` records a py-spy profile of that mode's Python
-server processes at the highest concurrency and prints where their time goes.
+engine, and the CPU seconds each process of the server spent during the measured run. Then,
+per mode, the paired TTFT at concurrency 1 (`--paired-ttft N`): the server and the in-process
+engine (its loop in a thread, and in an engine process) take turns, prompt by prompt, so that
+the machine's drift over minutes cancels out; the median of the per-prompt differences is what
+the serving path adds to TTFT. Writes JSON only where `--out` says; `--profile MODE` records a
+py-spy profile of that mode's Python server processes at the highest concurrency and prints
+where their time goes.
 
     python bench/serve_overhead.py                                   # every mode, c 1 8 32
     python bench/serve_overhead.py --modes proxy_ingress haproxy --concurrency 32 \
@@ -26,6 +30,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +48,7 @@ import psutil  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.datasets import BenchRequest, random_requests  # noqa: E402
-from bench.serve import http_send_fn, run_benchmark  # noqa: E402
+from bench.serve import SendFn, http_send_fn, measure_request, run_benchmark  # noqa: E402
 from tokenflow.config import AppConfig, load_app_config  # noqa: E402
 from tokenflow.net import free_port  # noqa: E402
 from tokenflow.replica.async_engine import AsyncEngine  # noqa: E402
@@ -200,7 +205,8 @@ async def warm_up(send: Any, c: int, args: argparse.Namespace) -> None:
 
 
 async def measure_served(mode: ServedMode, base_config: dict[str, Any],
-                         args: argparse.Namespace, log_dir: Path) -> dict[int, dict[str, Any]]:
+                         args: argparse.Namespace, log_dir: Path,
+                         paired: dict[str, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     config = {**base_config, "serving_mode": mode.serving_mode,
               "stream_interval_s": mode.stream_interval_s}
     config["engine"] = {**config.get("engine", {}), "engine_loop": mode.engine_loop}
@@ -227,9 +233,60 @@ async def measure_served(mode: ServedMode, base_config: dict[str, Any],
                     finish_profile(profile)
                 results[c] = {"result": result.to_dict(per_request=False), "cpu_s": cpu}
                 print(f"  {mode.label:<26} c={c:<3} {result.summary_line()}", flush=True)
+            if args.paired_ttft:
+                paired[mode.label] = await paired_ttft(send, load_app_config(base_config),
+                                                       args)
+                print(f"  {mode.label:<26} {paired_line(paired[mode.label])}", flush=True)
     finally:
         server.stop()
     return results
+
+
+async def paired_ttft(served: SendFn, config: AppConfig, args: argparse.Namespace
+                      ) -> dict[str, Any]:
+    """TTFT at concurrency 1, the served mode and the in-process engine (its loop in a thread
+    here, and in an engine process) taking turns: each prompt goes to each of them, one
+    request at a time, in an order that rotates from prompt to prompt. Each engine sees every
+    prompt once (no prefix-cache hit anywhere), and the machine's drift hits all of them
+    alike, so the per-prompt difference is what the serving path adds."""
+    engines = {label: AsyncEngine(config.engine.model_copy(update={"engine_loop": loop}))
+               for label, loop in (("in-process", "thread"),
+                                   ("in-process, engine process", "process"))}
+    senders: dict[str, SendFn] = {**{k: EngineSender(e) for k, e in engines.items()},
+                                  "served": served}
+    ttft_ms: dict[str, list[float]] = {name: [] for name in senders}
+    try:
+        for send in senders.values():
+            await warm_up(send, 1, args)
+        names = list(senders)
+        requests = random_requests(args.paired_ttft, args.input_len, args.output_len,
+                                   args.seed + 2)
+        for i, request in enumerate(requests):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                result = await measure_request(senders[name], request, 600.0,
+                                               time.perf_counter())
+                if result.ttft is None:
+                    raise RuntimeError(f"paired TTFT, {name}: {result.error}")
+                ttft_ms[name].append(1000 * result.ttft)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    served_ms = ttft_ms.pop("served")
+    return {"prompts": len(served_ms),
+            "ttft_ms_p50": {"served": statistics.median(served_ms),
+                            **{k: statistics.median(v) for k, v in ttft_ms.items()}},
+            "added_ms_p50": {k: statistics.median([s - r for s, r in zip(served_ms, v,
+                                                                          strict=True)])
+                             for k, v in ttft_ms.items()}}
+
+
+def paired_line(paired: dict[str, Any]) -> str:
+    p50, added = paired["ttft_ms_p50"], paired["added_ms_p50"]
+    return (f"paired TTFT c=1, {paired['prompts']} prompts: p50 served {p50['served']:.1f} ms, "
+            f"in-process {p50['in-process']:.1f}, engine process "
+            f"{p50['in-process, engine process']:.1f}; added (median of per-prompt "
+            f"differences) {added['in-process']:+.1f} / "
+            f"{added['in-process, engine process']:+.1f} ms")
 
 
 async def measure_inprocess(config: AppConfig, args: argparse.Namespace,
@@ -327,7 +384,8 @@ def _frame(frame: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- report
-def report(results: dict[str, dict[int, dict[str, Any]]], concurrencies: list[int]) -> str:
+def report(results: dict[str, dict[int, dict[str, Any]]], concurrencies: list[int],
+           paired: dict[str, dict[str, Any]]) -> str:
     head = (f"{'mode':<26}{'c':>4}{'tok/s':>9}{'loss':>8}{'TTFT p50':>10}{'p99':>8}"
             f"{'+TTFT p50':>11}{'ITL p50':>9}{'p99':>8}   CPU s by process")
     lines = [head, "-" * len(head)]
@@ -344,6 +402,9 @@ def report(results: dict[str, dict[int, dict[str, Any]]], concurrencies: list[in
                          f"{added:>+11.1f}{r['itl_ms']['p50']:>9.1f}{r['itl_ms']['p99']:>8.1f}"
                          f"   {cpu_text}")
         lines.append("")
+    if paired:
+        lines.append("TTFT at c=1, paired with the in-process engine (thread / engine process):")
+        lines += [f"{label:<26}  {paired_line(p)}" for label, p in paired.items()]
     return "\n".join(lines)
 
 
@@ -374,6 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    action="store_false",
                    help="skip the in-process reference whose engine runs in a process of "
                         "its own")
+    p.add_argument("--paired-ttft", type=int, default=40, metavar="N",
+                   help="prompts of the paired TTFT measurement at c=1 per mode (0: none)")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     args.concurrency = sorted(set(args.concurrency))
@@ -384,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
     print(f"server logs in {log_dir}", flush=True)
     results: dict[str, dict[int, dict[str, Any]]] = {}
+    paired: dict[str, dict[str, Any]] = {}
     # The in-process engine runs first and last: this machine's speed drifts over minutes, and
     # each served mode is compared with the faster of the two (the stricter comparison).
     results["in-process"] = asyncio.run(measure_inprocess(config, args))
@@ -391,12 +455,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["in-process, engine process"] = asyncio.run(
             measure_inprocess(config, args, "process"))
     for label in args.modes:
-        results[label] = asyncio.run(measure_served(MODES[label], data, args, log_dir))
+        results[label] = asyncio.run(measure_served(MODES[label], data, args, log_dir,
+                                                    paired))
     results["in-process (again)"] = asyncio.run(measure_inprocess(config, args))
     print()
-    print(report(results, args.concurrency))
+    print(report(results, args.concurrency, paired))
     record = {"config": vars(args), "results": {k: {str(c): v for c, v in per_c.items()}
-                                                for k, per_c in results.items()}}
+                                                for k, per_c in results.items()},
+              "paired_ttft": paired}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -74,6 +74,36 @@ async def test_cancel_mid_stream_frees_blocks(engine):
     assert "to-cancel" not in engine.engine.core.scheduler.requests
 
 
+async def test_a_submitted_request_runs_before_it_is_read(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = await collect(engine, "submitted early", params)
+    processed = engine.process_inputs("submitted early", params, "submitted")
+    batches = engine.submit(processed)
+    # Nobody reads it, and the engine runs it to the end all the same.
+    await wait_until(engine.is_idle)
+    text, token_ids = "", []
+    async for outs in batches:
+        for out in outs:
+            text += out.outputs[0].text
+            token_ids += out.outputs[0].token_ids
+    await batches.aclose()
+    assert (text, token_ids) == expected[:2]
+    await wait_all_free(engine)
+
+
+async def test_a_submitted_request_closed_unread_is_aborted(engine):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    batches = engine.submit(engine.process_inputs("never read " * 10, params, "unread"))
+    for _ in range(200):
+        if "unread" in engine.engine.core.scheduler.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert "unread" in engine.engine.core.scheduler.requests
+    await batches.aclose()
+    await wait_all_free(engine)
+    assert "unread" not in engine.engine.core.scheduler.requests
+
+
 async def test_task_cancellation_aborts(engine):
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     task = asyncio.create_task(collect(engine, "cancel me please", params, "task-cancel"))

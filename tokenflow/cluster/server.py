@@ -221,12 +221,18 @@ class LLMServer:
         a queue per request in between (each a wake-up per step per stream, which on a busy
         replica takes the engine's CPU). With a stream interval, deltas are held back until it
         has passed since the last send (the first and the last go at once)."""
-        yield Accepted(request_id, [len(processed.prompt_token_ids)])
+        try:
+            # Before Accepted: the engine starts while the caller starts its response.
+            batches = self.engine.submit(processed)
+        except EngineDeadError as exc:
+            yield Rejected(f"this replica cannot serve: {exc}; retry", None, 503,
+                           ENGINE_DEAD_RETRY_S)
+            return
         tally = _Tally(len(processed.prompt_token_ids), processed.params.n)
-        batches = self.engine.generate_batched(processed)
         held: list[SeqDelta] = []
         next_send = 0.0
         try:
+            yield Accepted(request_id, [len(processed.prompt_token_ids)])
             async for outs in batches:
                 finished = False
                 for out in outs:

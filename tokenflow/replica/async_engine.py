@@ -157,33 +157,38 @@ class AsyncEngine:
         self.check_health()
         processed = (prompt if isinstance(prompt, ProcessedRequest)
                      else self.process_inputs(prompt, params, request_id, priority))
+        batches = self.submit(processed)
+        try:
+            async for items in batches:
+                yield items
+        finally:
+            await batches.aclose()
+
+    def submit(self, processed: ProcessedRequest) -> RequestBatches:
+        """Send `processed` to the engine now and return its batches (as `generate_batched`
+        yields them). The engine starts on it at once, while the caller does whatever comes
+        before reading (a server sends its response headers). `aclose()` the result,
+        read or not: that aborts the request if it has not finished."""
+        self.check_health()
         request_id = processed.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), processed.prompt,
                          processed.prompt_token_ids)
+        # Registered before it is sent: the engine may answer before `_send` returns.
         self._streams[request_id] = stream
-        self._send(("add", processed))
-        finished = False
         try:
-            while not finished:
-                items = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    items.append(stream.queue.get_nowait())
-                for i, item in enumerate(items):
-                    if isinstance(item, BaseException):
-                        if i:
-                            yield items[:i]
-                        raise item
-                    finished = item.finished
-                    if finished:
-                        items = items[:i + 1]
-                        break
-                yield items
-        finally:
+            self._send(("add", processed))
+        except BaseException:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            raise
+        return RequestBatches(self, request_id, stream.queue)
+
+    def release(self, request_id: str, aborted: bool) -> None:
+        """Forget a submitted request's stream; `aborted`: the engine drops it too."""
+        self._streams.pop(request_id, None)
+        if aborted:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead engine holds nothing to free
@@ -245,6 +250,45 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+class RequestBatches:
+    """The batches of deltas of one submitted request (`AsyncEngine.submit`): every delta
+    that arrived since the last read, up to and including the finished one. Owns the
+    request's registration with the engine: `aclose` ends it, aborting an unfinished one."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self._engine, self._request_id, self._queue = engine, request_id, queue
+        self._finished = self._closed = False
+        self._error: BaseException | None = None
+
+    def __aiter__(self) -> RequestBatches:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            raise StopAsyncIteration
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for i, item in enumerate(items):
+            if isinstance(item, BaseException):
+                if not i:
+                    raise item
+                self._error = item  # raised on the next read, after the deltas before it
+                return items[:i]
+            if item.finished:
+                self._finished = True
+                return items[:i + 1]
+        return items
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.release(self._request_id, aborted=not self._finished)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
