@@ -62,14 +62,16 @@ PY_SPY = (str(Path(sys.executable).parent / "py-spy")
 
 @dataclass(frozen=True)
 class ServedMode:
-    """One served configuration: a serving mode, the stream interval (chunk coalescing) and
-    the engine loop. The modes measured before the engine process existed keep the thread
-    loop they were measured with; `haproxy_engine_process` is the default configuration."""
+    """One served configuration: a serving mode, the stream interval (chunk coalescing), the
+    engine loop and the request router. The modes measured before the engine process existed
+    keep the thread loop they were measured with; `haproxy_engine_process` is the default
+    configuration."""
 
     label: str
     serving_mode: str
     stream_interval_s: float = 0.0
     engine_loop: str = "thread"
+    request_router: str | None = None  # None: the config's
 
 
 MODES = {m.label: m for m in (
@@ -78,6 +80,8 @@ MODES = {m.label: m for m in (
     ServedMode("proxy", "proxy"),
     ServedMode("haproxy", "haproxy"),
     ServedMode("haproxy_engine_process", "haproxy", engine_loop="process"),
+    ServedMode("haproxy_least_connections", "haproxy", engine_loop="process",
+               request_router="least_connections"),
     ServedMode("haproxy_coalesce50ms", "haproxy", 0.05),
 )}
 # The in-process references: the AsyncEngine in this process, its loop in a thread here or in
@@ -210,6 +214,9 @@ async def measure_served(mode: ServedMode, base_config: dict[str, Any],
     config = {**base_config, "serving_mode": mode.serving_mode,
               "stream_interval_s": mode.stream_interval_s}
     config["engine"] = {**config.get("engine", {}), "engine_loop": mode.engine_loop}
+    if mode.request_router is not None:
+        config["deployment"] = {**config.get("deployment", {}),
+                                "request_router": mode.request_router}
     server = Server(config, log_dir / f"{mode.label}.log")
     results: dict[int, dict[str, Any]] = {}
     try:

@@ -315,8 +315,11 @@ class DeploymentConfig(_Frozen):
     # choices, or the prefix-aware one (`cluster.prefix_router`), which keeps requests with a
     # common prompt prefix on the replica that caches it while the load stays balanced: it
     # falls back to power of two choices while the busiest replica holds more than
-    # `router_imbalanced_threshold` requests beyond the idlest.
-    request_router: Literal["power_of_two", "prefix_aware"] = "power_of_two"
+    # `router_imbalanced_threshold` requests beyond the idlest. Or, in the `haproxy` serving
+    # mode only, no Serve request router: HAProxy sends each request to the replica with the
+    # fewest open connections itself, without its per-request call to the ingress request
+    # router (about 2 ms of TTFT on 2 cores; bench/README.md), and without prefix affinity.
+    request_router: Literal["power_of_two", "prefix_aware", "least_connections"] = "power_of_two"
     router_imbalanced_threshold: int = Field(default=8, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
@@ -350,6 +353,19 @@ class AppConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     route_prefix: str = "/"
+
+    @model_validator(mode="after")
+    def _router_fits_the_mode(self) -> AppConfig:
+        if (self.deployment.request_router == "least_connections"
+                and self.serving_mode is not ServingMode.HAPROXY):
+            raise ValueError("deployment.request_router least_connections is HAProxy's own "
+                             "balancing: it needs serving_mode haproxy")
+        if (self.prefill is not None
+                and self.prefill.deployment.request_router == "least_connections"):
+            raise ValueError("prefill.deployment.request_router: the prefill replicas are "
+                             "called through a Serve handle, which needs a Serve request "
+                             "router (power_of_two or prefix_aware)")
+        return self
 
     @model_validator(mode="after")
     def _disaggregation_is_consistent(self) -> AppConfig:

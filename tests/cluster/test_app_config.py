@@ -95,6 +95,17 @@ def test_bad_config_file_names_the_field_path(tmp_path: Path, data: dict[str, An
     assert f"  {path}:" in message or f"  {path}." in message, message
 
 
+def test_least_connections_needs_haproxy_and_a_decode_deployment(tmp_path: Path) -> None:
+    router = {"deployment": {"request_router": "least_connections"}}
+    assert load_app_config(router).deployment.request_router == "least_connections"
+    with pytest.raises(ConfigError, match="needs serving_mode haproxy"):
+        load_app_config({**router, "serving_mode": "proxy"})
+    connector = {"kv_transfer": {"connector": "tcp", "role": "both"}}
+    with pytest.raises(ConfigError, match="Serve request router"):
+        load_app_config({"engine": connector, "prefill": {
+            "engine": connector, "deployment": {"request_router": "least_connections"}}})
+
+
 def test_build_app_args_errors_name_the_field_path(tmp_path: Path) -> None:
     from tokenflow.cluster.app import app_config_from_args
 

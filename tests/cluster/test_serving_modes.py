@@ -181,7 +181,6 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
     API is the same, token-exact."""
     mode = AppConfig().serving_mode
     server, url = _start(mode, 2, tmp_path, request_router="prefix_aware")
-    auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
@@ -191,24 +190,8 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
         for replica in replicas:
             assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
-
-        def long_request(i: int) -> int:
-            body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 120,
-                    "ignore_eos": True}
-            return httpx.post(f"{url}/v1/completions", json=body, headers=auth,
-                              timeout=300).status_code
-
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            futures = [pool.submit(long_request, i) for i in range(16)]
-            busy: set[str] = set()
-            while not all(f.done() for f in futures) and len(busy) < 2:
-                time.sleep(0.05)
-                status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
-                busy |= {r["replica"] for r in status["replicas"]
-                         if r["running"] + r["waiting"] > 0}
-            assert [f.result() for f in futures] == [200] * 16
         # The Serve request router sent requests to both replicas.
-        assert len(busy) == 2, busy
+        assert len(_busy_replicas(url)) == 2
 
         # One system prompt of several blocks, then each user's own question. Power of two
         # choices would put each request on the replica without the prefix half the time.
@@ -224,6 +207,52 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
         assert cached[0] == 0 and all(c >= 16 * system_blocks for c in cached[1:]), cached
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_haproxy_balances_by_itself_with_least_connections(offline: LLM,
+                                                           tmp_path: Path) -> None:
+    """`request_router: least_connections`: no ingress request router (no ReplicaRouter
+    deployment, no call per request); HAProxy spreads requests over both replicas itself."""
+    server, url = _start(ServingMode.HAPROXY, 2, tmp_path, request_router="least_connections")
+    try:
+        server.wait_for(READY)
+        deployments = " ".join(" ".join(p.cmdline()) for p in
+                               psutil.Process(server.proc.pid).children(recursive=True))
+        assert "ServeReplica:tokenflow:LLMServer" in deployments
+        assert "ReplicaRouter" not in deployments
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        expected = offline.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+        done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.choices[0].text == expected
+        assert len(_busy_replicas(url)) == 2
+    finally:
+        server.stop()
+
+
+def _busy_replicas(url: str, num: int = 16) -> set[str]:
+    """Send `num` long requests at once; the replicas seen running or queueing any of them
+    (every request must succeed)."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def long_request(i: int) -> int:
+        body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 120,
+                "ignore_eos": True}
+        return httpx.post(f"{url}/v1/completions", json=body, headers=auth,
+                          timeout=300).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(num) as pool:
+        futures = [pool.submit(long_request, i) for i in range(num)]
+        busy: set[str] = set()
+        while not all(f.done() for f in futures) and len(busy) < 2:
+            time.sleep(0.05)
+            status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
+            busy |= {r["replica"] for r in status["replicas"]
+                     if r["running"] + r["waiting"] > 0}
+        assert [f.result() for f in futures] == [200] * num
+    return busy
 
 
 def _replica_processes(server: ServeProcess) -> list[psutil.Process]:
