@@ -318,7 +318,7 @@ class DeploymentConfig(_Frozen):
     # `router_imbalanced_threshold` requests beyond the idlest. Or, in the `haproxy` serving
     # mode only, no Serve request router: HAProxy sends each request to the replica with the
     # fewest open connections itself, without its per-request call to the ingress request
-    # router (about 2 ms of TTFT on 2 cores; bench/README.md), and without prefix affinity.
+    # router (0.5-1.5 ms of TTFT at concurrency 1 on 2 cores; bench/README.md), and without prefix affinity.
     request_router: Literal["power_of_two", "prefix_aware", "least_connections"] = "power_of_two"
     router_imbalanced_threshold: int = Field(default=8, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})

@@ -78,9 +78,12 @@ async def test_a_submitted_request_runs_before_it_is_read(engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = await collect(engine, "submitted early", params)
     processed = engine.process_inputs("submitted early", params, "submitted")
+    queries = engine.totals.prefix_cache_queries
     batches = engine.submit(processed)
     # Nobody reads it, and the engine runs it to the end all the same.
     await wait_until(engine.is_idle)
+    assert engine.totals.prefix_cache_queries > queries
+    assert engine.request_counts == (0, 0)
     text, token_ids = "", []
     async for outs in batches:
         for out in outs:
