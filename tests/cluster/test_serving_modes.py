@@ -9,7 +9,11 @@ The default mode also runs every test of `test_serve.py` (the session cluster is
 from __future__ import annotations
 
 import concurrent.futures
+import csv
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -114,7 +118,8 @@ def offline() -> LLM:
 
 
 def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
-           engine: dict[str, Any] | None = None, **deployment: Any) -> tuple[ServeProcess, str]:
+           engine: dict[str, Any] | None = None, cli_args: tuple[str, ...] = (),
+           **deployment: Any) -> tuple[ServeProcess, str]:
     port = free_port()
     config = tmp_path / f"{mode.value}.yaml"
     config.write_text(yaml.safe_dump({
@@ -125,7 +130,7 @@ def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     server = ServeProcess(["--config", str(config), "--port", str(port), "--api-key",
-                           API_KEY, "--no-dashboard"], env)
+                           API_KEY, "--no-dashboard", *cli_args], env)
     return server, f"http://127.0.0.1:{port}"
 
 
@@ -160,8 +165,10 @@ def _check_the_api(base_url: str, offline: LLM) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [m for m in ServingMode if m is not AppConfig().serving_mode],
-                         ids=lambda m: m.value)
+# proxy_ingress: test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies checks
+# the API on its server (one cluster less).
+@pytest.mark.parametrize("mode", [m for m in ServingMode if m not in (
+    AppConfig().serving_mode, ServingMode.PROXY_INGRESS)], ids=lambda m: m.value)
 def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
                                          tmp_path: Path) -> None:
     server, url = _start(mode, 1, tmp_path)
@@ -174,13 +181,15 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 
 
 @pytest.mark.slow
-def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) -> None:
+def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
     """Two replicas behind the prefix-aware router: unrelated requests spread over both (by
     load), and requests that share a long prefix all go where it is cached. Each replica's
     engine runs in a child process of the replica (`engine_loop: auto`, the default), and the
-    API is the same, token-exact."""
+    API is the same, token-exact. `/pause` and `/resume` reach both replicas, and SIGTERM
+    drains: a request under way runs to its end before the server exits."""
     mode = AppConfig().serving_mode
-    server, url = _start(mode, 2, tmp_path, request_router="prefix_aware")
+    server, url = _start(mode, 2, tmp_path, cli_args=("--drain-timeout", "120"),
+                         request_router="prefix_aware")
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
@@ -190,7 +199,8 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
         for replica in replicas:
             assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
-        # The Serve request router sent requests to both replicas.
+        # The Serve request router sent requests to both replicas (once HAProxy has both).
+        _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
 
         # One system prompt of several blocks, then each user's own question. Power of two
@@ -205,8 +215,39 @@ def test_default_mode_with_two_replicas_uses_both(offline: LLM, tmp_path: Path) 
         system_blocks = len(offline.tokenizer.encode(system)) // 16
         assert system_blocks >= 3
         assert cached[0] == 0 and all(c >= 16 * system_blocks for c in cached[1:]), cached
+        _pause_resume_and_drain(server, url)
     finally:
         server.stop()
+
+
+def _pause_resume_and_drain(server: ServeProcess, base: str) -> None:
+    """`/pause` and `/resume` reach both replicas; SIGTERM lets a request under way finish."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{base}/pause", timeout=60).status_code == 401
+    paused = httpx.post(f"{base}/pause", params={"mode": "all"}, headers=auth,
+                        timeout=60).json()
+    assert paused["is_paused"] is True
+    assert [r["state"] for r in paused["replicas"]] == ["paused_all"] * 2
+    assert len({r["replica"] for r in paused["replicas"]}) == 2
+    status = httpx.get(f"{base}/is_paused", headers=auth, timeout=60).json()
+    assert status["is_paused"] is True and len(status["replicas"]) == 2
+    resumed = httpx.post(f"{base}/resume", headers=auth, timeout=60).json()
+    assert resumed["is_paused"] is False
+    assert [r["state"] for r in resumed["replicas"]] == ["unpaused"] * 2
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=auth,
+                      timeout=120) as resp:
+        assert resp.status_code == 200
+        events = (line for line in resp.iter_lines() if line.startswith("data: "))
+        received = [next(events)]
+        server.proc.send_signal(signal.SIGTERM)
+        received += list(events)
+    assert received[-1] == "data: [DONE]"
+    usage = json.loads(received[-2][len("data: "):])["usage"]
+    assert usage["completion_tokens"] == 200
+    assert server.proc.wait(timeout=120) == 0
+    assert "draining" in server.output and "drained" in server.output, server.output
 
 
 @pytest.mark.slow
@@ -227,9 +268,44 @@ def test_haproxy_balances_by_itself_with_least_connections(offline: LLM,
         done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
                                          temperature=0, extra_body={"ignore_eos": True})
         assert done.choices[0].text == expected
+        # Serve is ready once both replicas are; HAProxy sends traffic to the second only once
+        # it has reloaded its config and its health checks passed.
+        _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
     finally:
         server.stop()
+
+
+def _wait_for_haproxy_servers_up(server: ServeProcess, num: int, timeout_s: float = 60) -> None:
+    """Until the cluster's HAProxy reports `num` replica servers UP (its admin socket's
+    `show stat`; the socket lies beside the config file that HAProxy's command line names)."""
+    deadline, up = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        up = []
+        for proc in psutil.Process(server.proc.pid).children(recursive=True):
+            args = proc.cmdline()
+            if proc.name() == "haproxy" and "-f" in args:
+                sock = Path(args[args.index("-f") + 1]).parent / "admin.sock"
+                up += [row for row in _haproxy_stat(sock)
+                       if row["svname"] not in ("FRONTEND", "BACKEND")
+                       and row["status"] == "UP" and row["bck"] == "0"]
+        if len(up) >= num:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"HAProxy has {len(up)} servers UP, not {num}")
+
+
+def _haproxy_stat(sock: Path) -> list[dict[str, str]]:
+    """HAProxy's `show stat` CSV as rows (empty while the socket is not there yet)."""
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(str(sock))
+            conn.sendall(b"show stat\n")
+            data = b"".join(iter(lambda: conn.recv(65536), b""))
+    except OSError:
+        return []
+    lines = data.decode().lstrip("# ").splitlines()
+    return list(csv.DictReader(lines)) if lines else []
 
 
 def _busy_replicas(url: str, num: int = 16) -> set[str]:
@@ -292,14 +368,18 @@ def _streams(url: str, num: int, max_tokens: int, on_progress: Any = None
 
 
 @pytest.mark.slow
-def test_proxy_ingress_resumes_streams_whose_replica_dies(tmp_path: Path) -> None:
-    """Kill one of 2 replicas under 16 greedy streams: each stream goes on on the other one and
+def test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies(
+        offline: LLM, tmp_path: Path) -> None:
+    """The API in the proxy_ingress mode. Then kill one of 2 replicas under 16 greedy streams:
+    each stream goes on on the other one and
     ends token-identical to an uninterrupted run. A request that cannot resume (n=2) gets the
     ingress's 503 with Retry-After in OpenAI's shape instead."""
     server, url = _start(ServingMode.PROXY_INGRESS, 2, tmp_path)
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
+        assert "serving mode proxy_ingress:" in server.output
+        _check_the_api(url, offline)
         uninterrupted = _streams(url, 16, 120)
         assert all(used == 120 and len(tokens) == 120 for _, tokens, used in uninterrupted)
 

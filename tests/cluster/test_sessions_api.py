@@ -4,8 +4,7 @@ prefix as cached tokens; a bad session field is a 400 in OpenAI's error shape.""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import openai
@@ -19,18 +18,23 @@ ENGINE = {"model": {"model": MODEL}, "cache": {"block_size": 16, "num_blocks": 2
           "scheduler": {"max_num_batched_tokens": 512}}
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[LLMServer]:
+    # One server (with its engine process) for the module: a session of one test is held in
+    # it while the next runs, so each test counts the blocks it holds from where it began.
+    llm_server = LLMServer(ENGINE)
+    yield llm_server
+    llm_server.engine.shutdown()
+
+
 @pytest.fixture
-async def client() -> AsyncIterator[tuple[openai.AsyncOpenAI, LLMServer]]:
-    server = LLMServer(ENGINE)
+async def client(server: LLMServer) -> AsyncIterator[tuple[openai.AsyncOpenAI, LLMServer]]:
     app = build_openai_app(OpenAIServing(LocalBackend(server), MODEL))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
     try:
         yield openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http), server
     finally:
         await http.aclose()
-        await asyncio.to_thread(server.engine.shutdown)
-        if server._poller is not None:
-            server._poller.cancel()
 
 
 def held_blocks(server: LLMServer) -> int:
@@ -40,6 +44,7 @@ def held_blocks(server: LLMServer) -> int:
 
 async def test_completion_turns_report_the_held_prefix_as_cached(client):
     api, server = client
+    before = held_blocks(server)
     prompt, cached, prompt_tokens = "You are a helpful assistant. The user says hi.", [], []
     for k in range(5):
         r = await api.completions.create(
@@ -54,14 +59,15 @@ async def test_completion_turns_report_the_held_prefix_as_cached(client):
     # the common prefix is reused instead.
     for k in range(1, 5):
         assert cached[k] == prompt_tokens[k - 1] + 6 - 1, (k, cached, prompt_tokens)
-    assert held_blocks(server) > 0
+    assert held_blocks(server) > before
     await api.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                  extra_body={"session_id": "conv-1", "session_close": True})
-    assert held_blocks(server) == 0
+    assert held_blocks(server) == before
 
 
 async def test_chat_turns_report_the_held_prefix_as_cached(client):
     api, server = client
+    before = held_blocks(server)
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is a paged KV cache?"}]
     cached, prompt_tokens = [], []
@@ -79,7 +85,7 @@ async def test_chat_turns_report_the_held_prefix_as_cached(client):
     # at least the previous prompt, is reused.
     for k in range(1, 4):
         assert cached[k] >= prompt_tokens[k - 1], (k, cached, prompt_tokens)
-    assert held_blocks(server) > 0  # expires after session_idle_timeout_s
+    assert held_blocks(server) > before  # expires after session_idle_timeout_s
 
 
 @pytest.mark.parametrize("body, param", [
