@@ -16,7 +16,11 @@ import pytest
 # the default serving mode (Serve reads its switches when first imported, in this process
 # and in every process of the cluster), so the serving tests run in the mode users get.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from tokenflow.cluster.serving_mode import apply_cluster_env, switches  # noqa: E402
+from tokenflow.cluster.serving_mode import (  # noqa: E402
+    apply_cluster_env,
+    release_cluster_env,
+    switches,
+)
 from tokenflow.config import AppConfig  # noqa: E402
 from tokenflow.net import free_port  # noqa: E402
 
@@ -40,7 +44,7 @@ def cluster() -> Iterator[Cluster]:
 
     # The rest of the mode's environment (HAProxy's files and ports) now, not at import: a port
     # picked long before HAProxy binds it has had all that time to be taken.
-    apply_cluster_env(DEFAULT_SERVING_MODE)
+    env = apply_cluster_env(DEFAULT_SERVING_MODE)
     http_port, metrics_port = free_port(), free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port,
@@ -56,3 +60,4 @@ def cluster() -> Iterator[Cluster]:
     finally:
         serve.shutdown()
         ray.shutdown()
+        release_cluster_env(env)

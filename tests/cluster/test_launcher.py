@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.cluster.conftest import free_port
@@ -61,6 +62,19 @@ def _answers(port: int) -> bool:
     return resp.status_code == 200
 
 
+def _haproxy(server: ServeProcess) -> list[psutil.Process]:
+    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+            if p.name() == "haproxy"]
+
+
+def _gone(process: psutil.Process) -> bool:
+    """Not running (a zombie is gone too: an orphan's new parent may never reap it)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_serve_starts_its_own_cluster_stops_only_what_it_started_and_exits_with_ray(
         env: dict[str, str]) -> None:
     # A cluster started by `ray start`, named in Ray's temp dir: a plain ray.init() joins it.
@@ -87,7 +101,11 @@ def test_serve_starts_its_own_cluster_stops_only_what_it_started_and_exits_with_
         assert _answers(port1) and _answers(port2)
         # Each server runs its own cluster: its own raylet, not the `ray start` one.
         assert first.ray_processes() and second.ray_processes()
+        haproxy = {server: _haproxy(server) for server in (first, second)}
+        assert all(haproxy.values())
         assert second.stop() == 0
+        # Everything it started went, HAProxy (a Ray actor's child) too.
+        assert all(_gone(p) for p in haproxy[second])
         assert _answers(port1), "stopping the second server broke the first"
         # A port in use is a clear error, before anything starts.
         busy = ServeProcess(["--config", env["TOKENFLOW_TEST_CONFIG"], "--port", str(port1)],
@@ -102,6 +120,8 @@ def test_serve_starts_its_own_cluster_stops_only_what_it_started_and_exits_with_
             process.kill()
         assert first.proc.wait(timeout=120) == 1
         assert "died; exiting" in first.output
+        # HAProxy outlives its Ray actor's worker: the server stops it as it exits.
+        assert all(_gone(p) for p in haproxy[first])
         assert head.poll() is None
     finally:
         for server in (first, second):

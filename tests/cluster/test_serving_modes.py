@@ -33,6 +33,7 @@ from tokenflow.cluster.serving_mode import (
     ServingMode,
     check_cluster_env,
     cluster_env,
+    release_cluster_env,
     switches,
 )
 from tokenflow.config import AppConfig, ConfigError, EngineConfig, load_app_config
@@ -77,6 +78,11 @@ def test_two_haproxy_clusters_get_their_own_files_and_ports() -> None:
     # HAProxy refuses a stats socket path over 97 characters; Ray nests a 56-character
     # directory under the base.
     assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) + 57 <= 97
+    files = Path(first["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"]).parent
+    assert files.is_dir()
+    for env in (first, second):
+        release_cluster_env(env)
+    assert not files.exists()
 
 
 def test_clusters_of_two_processes_get_their_own_replica_ports() -> None:
@@ -86,12 +92,14 @@ def test_clusters_of_two_processes_get_their_own_replica_ports() -> None:
     here = cluster_env(ServingMode.HAPROXY)
     mine = range(int(here[lo]), int(here[hi]))
     assert len(mine) >= 64 and mine.stop <= 32768  # below the kernel's ephemeral ports
-    script = ("from tokenflow.cluster.serving_mode import ServingMode, cluster_env; "
-              f"env = cluster_env(ServingMode.HAPROXY); print(env['{lo}'], env['{hi}'])")
+    script = ("from tokenflow.cluster.serving_mode import ServingMode, cluster_env, "
+              "release_cluster_env as release; env = cluster_env(ServingMode.HAPROXY); "
+              f"print(env['{lo}'], env['{hi}']); release(env)")
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            check=True, timeout=120).stdout.split()
     theirs = range(int(other[0]), int(other[1]))
     assert not set(mine) & set(theirs)
+    release_cluster_env(here)
 
 
 def test_a_cluster_without_the_modes_switches_is_refused(monkeypatch: pytest.MonkeyPatch

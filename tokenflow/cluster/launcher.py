@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from tokenflow.cluster.observe import ObserveOptions, describe, options_from_args
-from tokenflow.cluster.serving_mode import ServingMode, apply_cluster_env
+from tokenflow.cluster.serving_mode import ServingMode, apply_cluster_env, release_cluster_env
 from tokenflow.config import AppConfig, app_config_from_args
 
 APP_NAME = "tokenflow"
@@ -84,23 +84,24 @@ def _port_answers(host: str, port: int) -> bool:
         return False
 
 
-def _start_ray(observe: ObserveOptions, mode: ServingMode, forward_body: bool) -> bool:
-    """Join RAY_ADDRESS if set, else start a new local cluster set up for `mode`; True if we
-    started it."""
+def _start_ray(observe: ObserveOptions, mode: ServingMode, forward_body: bool
+               ) -> dict[str, str] | None:
+    """Join RAY_ADDRESS if set (None), else start a new local cluster set up for `mode`: the
+    environment it was set up with (`apply_cluster_env`), to release when it is gone."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
-        return False
+        return None
     observe.export_env()  # read by the dashboard process that ray.init starts
     # Serve's switches, read by every process of the new cluster.
-    apply_cluster_env(mode, forward_body)
+    cluster = apply_cluster_env(mode, forward_body)
     # "local": a new cluster of our own, even if Ray's temp dir names a running one.
     context = ray.init(address="local", log_to_driver=False, **observe.ray_init_kwargs())
     for line in describe(observe, context.dashboard_url):
         _say(line)
-    return True
+    return cluster
 
 
 def _refuse_to_replace(started_ray: bool) -> None:
@@ -265,21 +266,22 @@ def serve_main(args: argparse.Namespace) -> int:
         if not joining:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
-        started_ray = _start_ray(observe, config.serving_mode,
-                                 config.deployment.request_router == "prefix_aware")
-        _refuse_to_replace(started_ray)
+        cluster = _start_ray(observe, config.serving_mode,
+                             config.deployment.request_router == "prefix_aware")
+        _refuse_to_replace(cluster is not None)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")
         return 2
-    return _run(config, started_ray, args.drain_timeout)
+    return _run(config, cluster, args.drain_timeout)
 
 
-def _run(config: AppConfig, started_ray: bool,
+def _run(config: AppConfig, cluster: dict[str, str] | None,
          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
-    import ray
+    """Deploy, serve until stopped, drain, stop. `cluster`: the environment of the cluster we
+    started (`_start_ray`), None on a joined one."""
     from ray import serve
 
-    deployed, cluster_alive = False, True
+    started_ray, deployed, cluster_alive = cluster is not None, False, True
     try:
         if not started_ray:
             _say(f"joined the Ray cluster at {os.environ['RAY_ADDRESS']}; if Serve already runs "
@@ -311,12 +313,11 @@ def _run(config: AppConfig, started_ray: bool,
         return 0
     finally:
         if not cluster_alive:
-            _abandon_dead_cluster()
-        _shut_down(started_ray, deployed)
-        ray.shutdown()
+            _abandon_dead_cluster(cluster or {})
+        _shut_down(cluster, deployed)
 
 
-def _abandon_dead_cluster() -> None:
+def _abandon_dead_cluster(cluster: dict[str, str]) -> None:
     """Exit now, with status 1, when Ray died under us: any Ray call from here on (ours, or
     one of Serve's background threads at interpreter exit) would start a new local instance or
     wait a minute for the dead GCS. What is left of the processes we started goes too."""
@@ -325,19 +326,34 @@ def _abandon_dead_cluster() -> None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()
+    release_cluster_env(cluster)  # our HAProxy, no longer under us
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
 
 
-def _shut_down(started_ray: bool, deployed: bool) -> None:
-    """Stop only what this process started; a dead cluster is not an error here."""
+def _shut_down(cluster: dict[str, str] | None, deployed: bool) -> None:
+    """Stop only what this process started; a dead cluster is not an error here.
+
+    A cluster this process started goes whole, without Serve's own shutdown first: that stops
+    each replica gracefully and holds its port through the draining period (about 5 s in
+    all), which only waits for requests the drain has already seen end. Every process under
+    this one that outlives Ray's shutdown is killed, and our HAProxy's files go."""
+    import psutil
+    import ray
     from ray import serve
 
+    if cluster is not None:
+        ours = psutil.Process().children(recursive=True)
+        ray.shutdown()
+        for process in ours:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        release_cluster_env(cluster)
+        return
     try:
-        if started_ray:
-            serve.shutdown()
-        elif deployed:
+        if deployed:
             serve.delete(APP_NAME)
     except Exception as exc:
         _say(f"(could not stop Serve cleanly: {type(exc).__name__})")
+    ray.shutdown()

@@ -21,7 +21,9 @@ are missing instead of letting Serve fall back silently.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from enum import Enum
 
@@ -106,7 +108,7 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
         env.update({
             "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(base, "haproxy.cfg"),
             "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(base, "admin.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
+            _FILES: base,
             "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(base, "server-state"),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
@@ -117,6 +119,26 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
                     # Serve allocates from range(min, max): max is not handed out.
                     "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ports.stop)})
     return {**env, **body_forwarding(mode, forward_body)}
+
+
+_FILES = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
+
+
+def release_cluster_env(env: dict[str, str]) -> None:
+    """Undo what `cluster_env` left outside the cluster, once the cluster is gone: the HAProxy
+    that ran from its files, if it outlived Ray (it is a child of a Ray actor's worker, and
+    when Ray dies under it nothing else stops it: it would hold the serving port), and the
+    files themselves."""
+    import psutil
+
+    base = env.get(_FILES)
+    if not base:
+        return
+    for process in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(arg.startswith(base) for arg in process.info["cmdline"] or ()):
+                process.kill()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def body_forwarding(mode: ServingMode, forward_body: bool) -> dict[str, str]:
