@@ -1,12 +1,15 @@
 """Serve applications on the session's cluster (`tests/conftest.py`).
 
 The main application (`main_app`) is deployed once, with an API key, so every request of the
-suite also goes through the key check.
+suite also goes through the key check. Every application is deleted once the tests that use it
+are done (`deployed`): the tests after them (the multinode and engine tests) share the machine's
+two cores with whatever stays up.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,18 @@ def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any])
                serve.get_deployment_handle("LLMServer", app_name=name))
 
 
+def deployed(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any]
+             ) -> Iterator[App]:
+    """`deploy`, for a fixture to `yield from`: the app is deleted at the fixture's teardown."""
+    from ray import serve
+
+    app = deploy(cluster, name, route_prefix, args)
+    try:
+        yield app
+    finally:
+        serve.delete(name)
+
+
 def main_app_args() -> dict[str, Any]:
     return {"engine": ENGINE_ARGS, "api_key": API_KEY,
             "deployment": {"num_replicas": 1,
@@ -70,18 +85,20 @@ def pd_app_args(connector: str = "torch_p2p") -> dict[str, Any]:
             "prefill": {"engine": engine("producer"), "deployment": deployment}}
 
 
-@pytest.fixture(scope="session")
-def pd_app(cluster: Cluster) -> App:
+@pytest.fixture(scope="package")
+def pd_app(cluster: Cluster) -> Iterator[App]:
     """The disaggregated app (configs/pd.yaml, smaller): its handle is the decode LLMServer."""
-    return deploy(cluster, PD_APP, "/pd", pd_app_args())
+    yield from deployed(cluster, PD_APP, "/pd", pd_app_args())
 
 
-@pytest.fixture(scope="session")
-def main_app(cluster: Cluster) -> App:
+@pytest.fixture(scope="package")
+def main_app(cluster: Cluster) -> Iterator[App]:
     started = time.monotonic()
-    app = deploy(cluster, MAIN_APP, "/", main_app_args())
+    apps = deployed(cluster, MAIN_APP, "/", main_app_args())
+    app = next(apps)
     print(f"main app deployed in {time.monotonic() - started:.1f}s")
-    return app
+    yield app
+    apps.close()
 
 
 __all__ = ["Cluster", "free_port"]  # for the test modules that import them from here

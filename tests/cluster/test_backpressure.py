@@ -7,13 +7,21 @@ Served over real HTTP in the default serving mode (the session cluster's), and i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import psutil
 import pytest
 
-from tests.cluster.conftest import API_KEY, ENGINE_ARGS, SERVER_ACTOR_OPTIONS, App, Cluster, deploy
+from tests.cluster.conftest import (
+    API_KEY,
+    ENGINE_ARGS,
+    SERVER_ACTOR_OPTIONS,
+    App,
+    Cluster,
+    deployed,
+)
 from tokenflow.scheduler import SamplingParams
 
 MODEL = "tokenflow-tiny"
@@ -51,10 +59,10 @@ def test_the_bound_refuses_at_once_and_frees_as_requests_end(cluster: Cluster) -
 
 
 @pytest.fixture(scope="module")
-def busy_app(cluster: Cluster) -> App:
+def busy_app(cluster: Cluster) -> Iterator[App]:
     engine = {**ENGINE_ARGS, "scheduler": {**ENGINE_ARGS["scheduler"],
                                            "max_num_seqs": MAX_NUM_SEQS}}
-    return deploy(cluster, APP, "/busy", {
+    yield from deployed(cluster, APP, "/busy", {
         "engine": engine, "api_key": API_KEY,
         "deployment": {"num_replicas": 1, "max_queued_requests": MAX_QUEUED,
                        "ray_actor_options": SERVER_ACTOR_OPTIONS}})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -20,6 +21,7 @@ from tests.cluster.conftest import (
     App,
     Cluster,
     deploy,
+    deployed,
     pd_app_args,
 )
 from tests.cluster.test_serve import async_client, sync_client
@@ -85,10 +87,10 @@ def test_32_concurrent_streams_complete(pd_app: App, colocated: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def producer_app(cluster: Cluster) -> App:
+def producer_app(cluster: Cluster) -> Iterator[App]:
     """A colocated app whose engine publishes prompts' KV when asked (role producer)."""
     args = pd_app_args()
-    return deploy(cluster, "producer", "/producer", {
+    yield from deployed(cluster, "producer", "/producer", {
         "engine": args["prefill"]["engine"], "deployment": args["deployment"],
         "api_key": API_KEY})
 

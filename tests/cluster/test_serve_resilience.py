@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,7 +14,7 @@ import openai
 import pytest
 import ray
 
-from tests.cluster.conftest import API_KEY, SERVER_ACTOR_OPTIONS, App, Cluster, deploy
+from tests.cluster.conftest import API_KEY, SERVER_ACTOR_OPTIONS, App, Cluster, deployed
 from tests.cluster.test_serve import async_client, auth
 
 pytestmark = pytest.mark.slow
@@ -59,11 +60,11 @@ SMALL_APP = "small"
 
 
 @pytest.fixture(scope="module")
-def small_app(cluster: Cluster) -> App:
+def small_app(cluster: Cluster) -> Iterator[App]:
     """40 blocks of 16 tokens: the cache, not the configured 2048, limits the context to 640."""
     engine = {"model": {"model": MODEL}, "cache": {"block_size": 16, "num_blocks": 40},
               "scheduler": {"max_model_len": 2048, "max_num_batched_tokens": 1024}}
-    return deploy(cluster, SMALL_APP, "/small", {
+    yield from deployed(cluster, SMALL_APP, "/small", {
         "engine": engine, "api_key": API_KEY,
         "deployment": {"num_replicas": 1, "ray_actor_options": SERVER_ACTOR_OPTIONS}})
 
