@@ -6,8 +6,9 @@ printed each time its state changes; then the URL; then the process waits for Ct
 SIGTERM, watching that its port still answers (if Ray dies under it, it exits non-zero), drains
 (every replica admits nothing new and finishes what it admitted, for at most `--drain-timeout`
 seconds; a second Ctrl-C or SIGTERM cuts it short) and shuts down only what it started: on its
-own cluster Serve and Ray, on a joined cluster only its own application. A cluster started here has the Ray dashboard on; its URL and the metrics port
-are printed (`cluster.observe`).
+own cluster Ray and every process under it (HAProxy and its files included), on a joined
+cluster only its own application. A cluster started here has the Ray dashboard on; its URL and
+the metrics port are printed (`cluster.observe`).
 """
 
 from __future__ import annotations

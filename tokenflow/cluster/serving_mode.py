@@ -90,6 +90,10 @@ FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 _BUFSIZE, _ROUTER_BUFSIZE = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", str(256 * 1024)
 
 
+# The directory of a cluster's own HAProxy files (`cluster_env`, `release_cluster_env`).
+_FILES = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
+
+
 def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
     """The environment a new Ray cluster needs for `mode` (with `forward_body`, for a request
     router that reads the request: in the `haproxy` mode HAProxy must send it the body).
@@ -121,9 +125,6 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
     return {**env, **body_forwarding(mode, forward_body)}
 
 
-_FILES = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
-
-
 def release_cluster_env(env: dict[str, str]) -> None:
     """Undo what `cluster_env` left outside the cluster, once the cluster is gone: the HAProxy
     that ran from its files, if it outlived Ray (it is a child of a Ray actor's worker, and
@@ -136,7 +137,7 @@ def release_cluster_env(env: dict[str, str]) -> None:
         return
     for process in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(arg.startswith(base) for arg in process.info["cmdline"] or ()):
+            if any(arg.startswith(base + os.sep) for arg in process.info["cmdline"] or ()):
                 process.kill()
     shutil.rmtree(base, ignore_errors=True)
 
