@@ -49,7 +49,7 @@ serve: $(STAMP)
 
 # Regenerate the chart's generated files: values.schema.json (from AppConfig) and the dashboards.
 chart-schema: $(STAMP)
-	$(PY) -m tokenflow.cluster.chart_schema
+	$(PY) -m tokenflow.ops.chart_schema
 	$(VENV)/bin/tokenflow dashboards render helm/tokenflow/dashboards
 
 # Debian's Prometheus (the real-Prometheus dashboard test needs it); a no-op once installed.

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` as a package
 from bench.throughput import make_trace, write_bench_model  # noqa: E402
-from tokenflow.replica.llm import LLM  # noqa: E402
+from tokenflow.replica.engine.llm import LLM  # noqa: E402
 from tokenflow.scheduler import SamplingParams  # noqa: E402
 
 

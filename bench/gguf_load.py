@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 
 
 def load_tokenflow(model: str) -> dict[str, float]:
-    from tokenflow.replica.llm import LLM
+    from tokenflow.replica.engine.llm import LLM
 
     started = time.perf_counter()
     llm = LLM(model, num_blocks=256, max_model_len=2048)
@@ -42,7 +42,7 @@ def load_transformers(model: str) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenflow.replica.model_source import resolve_model
+    from tokenflow.replica.loading.resolve import resolve_model
 
     path = resolve_model(model).path  # resolving is not timed: it only finds the file
     started = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import CachedRequestData, SamplingParams, SchedulerOutput
 
 NUM_PROBES = 200

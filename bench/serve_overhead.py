@@ -51,7 +51,7 @@ from bench.datasets import BenchRequest, random_requests  # noqa: E402
 from bench.serve import SendFn, http_send_fn, measure_request, run_benchmark  # noqa: E402
 from tokenflow.config import AppConfig, load_app_config  # noqa: E402
 from tokenflow.net import free_port  # noqa: E402
-from tokenflow.replica.async_engine import AsyncEngine  # noqa: E402
+from tokenflow.replica.engine.async_engine import AsyncEngine  # noqa: E402
 from tokenflow.scheduler import SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from tokenflow.replica.llm_engine import LLMEngine
+from tokenflow.replica.engine.llm_engine import LLMEngine
 from tokenflow.scheduler import SamplingParams
 
 TEXT = (

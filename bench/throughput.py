@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.model_source import tiny_model_dir
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.loading.model_source import tiny_model_dir
 from tokenflow.scheduler import SamplingParams
 
 BENCH_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408,

@@ -17,8 +17,8 @@ import gguf
 import numpy as np
 
 from tests.checkpoints import build_hf_model
-from tokenflow.replica.model_source import tiny_model_dir
-from tokenflow.replica.tiny_model import CHAT_TEMPLATE as LLAMA3_TEMPLATE
+from tokenflow.replica.loading.model_source import tiny_model_dir
+from tokenflow.replica.loading.tiny_model import CHAT_TEMPLATE as LLAMA3_TEMPLATE
 
 Q = gguf.GGMLQuantizationType
 GGUF_NAME = "model.gguf"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenflow.replica.llm import LLM
+    from tokenflow.replica.engine.llm import LLM
     from tokenflow.scheduler.sampling_params import (
         RepetitionDetectionParams,
         SamplingParams,
@@ -22,7 +22,7 @@ __all__ = ["LLM", "RepetitionDetectionParams", "SamplingParams", "StructuredOutp
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from tokenflow.replica.llm import LLM
+        from tokenflow.replica.engine.llm import LLM
 
         return LLM
     if name in ("SamplingParams", "StructuredOutputsParams", "RepetitionDetectionParams"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenflow.cluster.dashboards_cli import add_parser as _add_dashboards
-from tokenflow.cluster.launcher import DEFAULT_DRAIN_TIMEOUT_S
-from tokenflow.cluster.observe import add_arguments as add_observe_arguments
+from tokenflow.ops.dashboards_cli import add_parser as _add_dashboards
+from tokenflow.ops.launcher import DEFAULT_DRAIN_TIMEOUT_S
+from tokenflow.ops.observe import add_arguments as add_observe_arguments
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -34,10 +34,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenflow.cluster.launcher import loopback_only
+    from tokenflow.ops.launcher import loopback_only
 
     loopback_only()  # before anything imports ray: a local cluster stays on 127.0.0.1
-    from tokenflow.replica.llm import LLM
+    from tokenflow.replica.engine.llm import LLM
     from tokenflow.scheduler import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -72,7 +72,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenflow.cluster.launcher import serve_main
+    from tokenflow.ops.launcher import serve_main
 
     return serve_main(args)
 

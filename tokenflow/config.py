@@ -7,18 +7,42 @@ worrying that another changes it underneath.
 from __future__ import annotations
 
 import logging
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenflow.cluster.serving_mode import ServingMode
-
 logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MODEL = "tokenflow-tiny"
+
+
+class ServingMode(str, Enum):
+    """How HTTP requests reach the engine replicas (`cluster/serving_mode.py` has the Ray
+    cluster switches each one needs)."""
+
+    PROXY_INGRESS = "proxy_ingress"
+    PROXY_INGRESS_GRPC = "proxy_ingress_grpc"
+    PROXY = "proxy"
+    HAPROXY = "haproxy"
+
+    @property
+    def replica_is_ingress(self) -> bool:
+        """The LLMServer deployment serves HTTP itself (no OpenAIIngress deployment)."""
+        return self in (ServingMode.PROXY, ServingMode.HAPROXY)
+
+    def describe(self) -> str:
+        return {
+            ServingMode.PROXY_INGRESS: "Serve proxy -> OpenAIIngress -> LLMServer",
+            ServingMode.PROXY_INGRESS_GRPC: "Serve proxy -> OpenAIIngress -> LLMServer, gRPC "
+                                            "between deployments",
+            ServingMode.PROXY: "Serve proxy -> LLMServer (its own HTTP ingress)",
+            ServingMode.HAPROXY: "HAProxy -> LLMServer's own HTTP port (direct ingress), "
+                                 "replica chosen by the Serve request router",
+        }[self]
 
 
 class _Frozen(BaseModel):

@@ -242,7 +242,7 @@ def test_pipeline_presets_reserve_one_bundle_per_stage(name: str) -> None:
 
     from tokenflow.cluster.app import server_options
     from tokenflow.cluster.server import LLMServer
-    from tokenflow.replica.stage_bundles import cluster_gpus, stages_use_gpu
+    from tokenflow.replica.worker.stage_bundles import cluster_gpus, stages_use_gpu
 
     config = load_app_config(CONFIGS / name)
     options = server_options(config)

@@ -17,9 +17,9 @@ import pytest
 
 from tests.cluster.fake_grafana import FakeGrafana
 from tokenflow.cli import main
-from tokenflow.cluster.dashboards import DASHBOARDS, PANELS, dashboard, dashboards, expand
-from tokenflow.cluster.grafana import push
 from tokenflow.cluster.metrics import ServerMetrics
+from tokenflow.ops.dashboards import DASHBOARDS, PANELS, dashboard, dashboards, expand
+from tokenflow.ops.grafana import push
 
 TOKEN = "glsa_test_token"
 

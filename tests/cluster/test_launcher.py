@@ -133,7 +133,7 @@ def test_serve_starts_its_own_cluster_stops_only_what_it_started_and_exits_with_
 def test_the_watch_notices_a_port_that_stops_answering() -> None:
     import socket
 
-    from tokenflow.cluster import launcher
+    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
 
     listener = socket.socket()
@@ -167,7 +167,7 @@ def drain_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """`_drain` against a fake handle, its signal event exposed instead of installed."""
     from ray import serve
 
-    from tokenflow.cluster import launcher
+    from tokenflow.ops import launcher
 
     state: dict[str, Any] = {}
     monkeypatch.setattr(launcher, "DRAIN_POLL_S", 0.01)
@@ -179,7 +179,7 @@ def drain_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def test_drain_pauses_new_then_waits_until_every_replica_is_idle(
         drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenflow.cluster import launcher
+    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
     from tokenflow.scheduler import PauseState
 
@@ -192,7 +192,7 @@ def test_drain_pauses_new_then_waits_until_every_replica_is_idle(
 
 def test_drain_stops_waiting_at_its_timeout_or_a_second_signal(
         drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenflow.cluster import launcher
+    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
 
     drain_env["handle"] = FakeServerHandle(idle_after_polls=None)

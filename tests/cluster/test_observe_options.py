@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from tokenflow.cli import main
-from tokenflow.cluster.observe import ObserveOptions, add_arguments, options_from_args
+from tokenflow.ops.observe import ObserveOptions, add_arguments, options_from_args
 
 
 def _parse(*flags: str) -> ObserveOptions:

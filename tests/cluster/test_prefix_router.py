@@ -8,7 +8,7 @@ from collections import Counter
 
 from tokenflow.cluster.prefix_router import PrefixAffinity, PrefixIndex, PromptBlocks
 from tokenflow.kv import extend_block_hashes
-from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.loading.resolve import resolve_model
 
 BLOCK = 4
 

@@ -24,7 +24,7 @@ import pytest
 from tests.cluster.conftest import App, Cluster
 from tests.cluster.prometheus import Prometheus, available
 from tests.needs import need
-from tokenflow.cluster.dashboards import PANELS, expand
+from tokenflow.ops.dashboards import PANELS, expand
 
 pytestmark = pytest.mark.slow
 

@@ -555,7 +555,7 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(
         raise AssertionError("the prompt was tokenized")
 
     huge = "word " * 1_000_000  # 5 MB
-    monkeypatch.setattr("tokenflow.replica.tokenizer.Tokenizer.encode", no_tokenizing)
+    monkeypatch.setattr("tokenflow.replica.loading.tokenizer.Tokenizer.encode", no_tokenizing)
     for route, body in ((CMPL, {"prompt": huge}),
                         (CHAT, {"messages": [{"role": "user", "content": huge}]})):
         resp = client.post(route, json=body)

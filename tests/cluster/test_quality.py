@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.cluster.conftest import SERVER_ACTOR_OPTIONS, App, Cluster, deploy
-from tokenflow.replica.model_source import SMOLLM2_MODEL_NAME
+from tokenflow.replica.loading.model_source import SMOLLM2_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

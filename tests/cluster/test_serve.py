@@ -19,7 +19,7 @@ import pytest
 from tests.cluster.conftest import API_KEY, ENGINE_ARGS, App
 from tokenflow.cluster.errors import OpenAIError
 from tokenflow.config import EngineConfig
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -491,7 +491,7 @@ def test_dead_engine_fails_health_and_requests(server: Any) -> None:
     from tokenflow.cluster.messages import Finished, Rejected, SeqDelta
     from tokenflow.cluster.responses import CompletionFormatter
     from tokenflow.cluster.server import ENGINE_DEAD_RETRY_S
-    from tokenflow.replica.async_engine import EngineDeadError
+    from tokenflow.replica.engine.async_engine import EngineDeadError
 
     server.check_health()
     server.engine.error = RuntimeError("simulated crash")  # what the loop records as it dies

@@ -26,7 +26,7 @@ from tests.cluster.conftest import (
 )
 from tests.cluster.test_serve import async_client, sync_client
 from tokenflow.config import EngineConfig
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.slow

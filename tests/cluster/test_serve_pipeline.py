@@ -15,7 +15,7 @@ from ray import serve
 from tests.cluster.conftest import API_KEY, ENGINE_ARGS, App, Cluster, deploy
 from tests.replica.test_pipeline import _live_actors_and_groups
 from tokenflow.config import EngineConfig
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -29,15 +29,10 @@ import yaml
 
 from tests.cluster.conftest import free_port
 from tests.cluster.serve_process import ServeProcess
-from tokenflow.cluster.serving_mode import (
-    ServingMode,
-    check_cluster_env,
-    cluster_env,
-    release_cluster_env,
-    switches,
-)
-from tokenflow.config import AppConfig, ConfigError, EngineConfig, load_app_config
-from tokenflow.replica.llm import LLM
+from tokenflow.cluster.serving_mode import check_cluster_env, switches
+from tokenflow.config import AppConfig, ConfigError, EngineConfig, ServingMode, load_app_config
+from tokenflow.ops.cluster_env import cluster_env, release_cluster_env
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 API_KEY = "modes-test-key"
@@ -92,8 +87,8 @@ def test_clusters_of_two_processes_get_their_own_replica_ports() -> None:
     here = cluster_env(ServingMode.HAPROXY)
     mine = range(int(here[lo]), int(here[hi]))
     assert len(mine) >= 64 and mine.stop <= 32768  # below the kernel's ephemeral ports
-    script = ("from tokenflow.cluster.serving_mode import ServingMode, cluster_env, "
-              "release_cluster_env as release; env = cluster_env(ServingMode.HAPROXY); "
+    script = ("from tokenflow.config import ServingMode; "
+              "from tokenflow.ops.cluster_env import cluster_env, release_cluster_env as release; env = cluster_env(ServingMode.HAPROXY); "
               f"print(env['{lo}'], env['{hi}']); release(env)")
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            check=True, timeout=120).stdout.split()

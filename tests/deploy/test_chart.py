@@ -32,17 +32,16 @@ from tests.deploy.manifests import (
 )
 from tests.needs import need
 from tokenflow.cluster.app import app_config_from_args, server_options
-from tokenflow.cluster.chart_schema import to_json, values_schema
-from tokenflow.cluster.dashboards import dashboards
-from tokenflow.cluster.dashboards import to_json as dashboard_json
 from tokenflow.cluster.serving_mode import (
     FORWARD_BODY,
     TUNING,
-    ServingMode,
     body_forwarding,
     switches,
 )
-from tokenflow.config import AppConfig
+from tokenflow.config import AppConfig, ServingMode
+from tokenflow.ops.chart_schema import to_json, values_schema
+from tokenflow.ops.dashboards import dashboards
+from tokenflow.ops.dashboards import to_json as dashboard_json
 
 K8S_VERSION = kubernetes_validate.latest_version()
 

@@ -34,7 +34,7 @@ from tokenflow.kv.connector import (
 from tokenflow.kv.connector.scheduler_side import TransferScheduler
 from tokenflow.kv.connector.torch_p2p import TorchP2PTransport
 from tokenflow.kv.connector.worker_side import TransferWorker
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM, NUM_BLOCKS = 4, 4, 2, 8, 8

@@ -92,8 +92,9 @@ from types import TracebackType
 from typing import Any
 
 from tests.multinode import network
-from tokenflow.cluster.serving_mode import cluster_env, switches
+from tokenflow.cluster.serving_mode import switches
 from tokenflow.config import AppConfig
+from tokenflow.ops.cluster_env import cluster_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

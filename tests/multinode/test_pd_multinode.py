@@ -11,7 +11,7 @@ import pytest
 from tests.cluster.conftest import ENGINE_ARGS
 from tests.multinode.netns import NamespaceCluster
 from tokenflow.config import EngineConfig
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.multinode

@@ -10,7 +10,7 @@ import pytest
 from tests.checkpoints import write_checkpoint
 from tests.multinode.netns import NamespaceCluster
 from tests.replica.test_engine import SCENARIOS, make_prompts, with_tokenizer
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 pytestmark = pytest.mark.multinode

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenflow.replica.async_engine import AsyncEngine
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.async_engine import AsyncEngine
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import PauseState, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.replica.test_engine import SCENARIOS  # the engine tests' paths, async on and off
 from tokenflow.config import EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import AsyncScheduler, SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from tokenflow.replica.detokenizer import IncrementalDetokenizer
-from tokenflow.replica.model_source import tiny_model_dir
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.engine.detokenizer import IncrementalDetokenizer
+from tokenflow.replica.loading.model_source import tiny_model_dir
+from tokenflow.replica.loading.tokenizer import Tokenizer
 
 
 class CountingTokenizer(Tokenizer):

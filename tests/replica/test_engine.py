@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.model_source import tiny_model_dir
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.loading.model_source import tiny_model_dir
 from tokenflow.scheduler import SamplingParams
 
 NUM_NEW = 10

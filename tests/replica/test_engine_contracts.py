@@ -11,7 +11,7 @@ import torch
 
 from tests.checkpoints import write_checkpoint
 from tests.replica.test_engine import SCENARIOS, make_prompts, with_tokenizer
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.scheduler import SamplingParams
 

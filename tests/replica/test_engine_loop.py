@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tokenflow.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
+from tokenflow.replica.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenflow.scheduler import PauseState, SamplingParams
 
 CONFIG = EngineConfig(cache=CacheConfig(num_blocks=128, block_size=16),

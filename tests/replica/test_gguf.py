@@ -14,14 +14,11 @@ import pytest
 import torch
 
 from tests.gguf_checkpoints import FAMILIES, GGUF_NAME, Q, source_model, write_gguf
-from tokenflow.replica.gguf_source import GGUFSource, hf_tensor_name
-from tokenflow.replica.gguf_tokenizer import gguf_tokenizer
-from tokenflow.replica.loader import load_model
-from tokenflow.replica.model_source import (
-    SMOLLM2_MODEL_NAME,
-    ModelSource,
-    resolve_model,
-)
+from tokenflow.replica.loading.gguf_source import GGUFSource, hf_tensor_name
+from tokenflow.replica.loading.gguf_tokenizer import gguf_tokenizer
+from tokenflow.replica.loading.loader import load_model
+from tokenflow.replica.loading.model_source import SMOLLM2_MODEL_NAME, ModelSource
+from tokenflow.replica.loading.resolve import resolve_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -234,7 +231,7 @@ def test_a_gguf_tokenizer_loads_without_torch(tmp_path: Path) -> None:
     import subprocess
 
     path = write_gguf(tmp_path, "qwen2")
-    code = ("import sys; from tokenflow.replica.model_source import resolve_model; "
+    code = ("import sys; from tokenflow.replica.loading.resolve import resolve_model; "
             f"resolve_model({str(path)!r}).tokenizer().encode('hi'); "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

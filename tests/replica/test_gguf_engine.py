@@ -9,7 +9,7 @@ import torch
 
 from tests.gguf_checkpoints import FAMILIES, GGUF_NAME, write_gguf
 from tests.replica.test_engine import NUM_NEW, SCENARIOS, hf_greedy, make_prompts
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
 transformers = pytest.importorskip("transformers")

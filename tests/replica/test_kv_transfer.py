@@ -26,7 +26,7 @@ from tokenflow.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import RequestStatus, SamplingParams
 
 NUM_NEW = 10

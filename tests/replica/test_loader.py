@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import write_checkpoint
-from tokenflow.replica.loader import load_model, resolve_dtype
+from tokenflow.replica.loading.loader import load_model, resolve_dtype
 from tokenflow.replica.models import CausalLM
 from tokenflow.replica.models.config import ModelArchConfig, RopeScaling
 

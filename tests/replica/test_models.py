@@ -15,9 +15,13 @@ import pytest
 import torch
 
 from tests.checkpoints import FAMILIES, write_checkpoint
-from tokenflow.replica import attention
-from tokenflow.replica.attention import AttentionMetadata, TorchAttentionBackend, select_backend
-from tokenflow.replica.loader import load_model
+from tokenflow.replica.attention import backends as attention
+from tokenflow.replica.attention.backends import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    select_backend,
+)
+from tokenflow.replica.loading.loader import load_model
 from tokenflow.replica.models import CausalLM
 
 BLOCK_SIZE = 4

@@ -4,9 +4,9 @@ decode text is exactly the text of one engine doing both (it was a U+FFFD too ma
 
 from __future__ import annotations
 
-from tokenflow.replica.model_source import tiny_model_dir
-from tokenflow.replica.output_processor import OutputProcessor
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.engine.output_processor import OutputProcessor
+from tokenflow.replica.loading.model_source import tiny_model_dir
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.scheduler import EngineCoreOutput, SamplingParams
 
 

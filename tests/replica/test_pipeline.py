@@ -13,8 +13,8 @@ import ray
 from tests.checkpoints import write_checkpoint
 from tests.conftest import Cluster
 from tests.replica.test_engine import SCENARIOS, _load_hf, hf_greedy, make_prompts, with_tokenizer
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.pipeline import stage_layer_ranges
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.worker.pipeline import stage_layer_ranges
 from tokenflow.scheduler import SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 

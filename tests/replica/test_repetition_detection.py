@@ -18,7 +18,7 @@ from tokenflow.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenflow.replica.llm import LLM
+from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import RepetitionDetectionParams, SamplingParams, Scheduler
 
 PROMPTS: list[str | list[int]] = ["hello hello hello", [5, 6, 7, 8] * 6, "abc",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenflow.replica.sampler import (
+from tokenflow.replica.worker.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenflow.replica.async_engine import AsyncEngine
-from tokenflow.replica.llm_engine import LLMEngine
+from tokenflow.replica.engine.async_engine import AsyncEngine
+from tokenflow.replica.engine.llm_engine import LLMEngine
 from tokenflow.scheduler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)

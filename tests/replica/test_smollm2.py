@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.replica.test_gguf import assert_same_tokenizer
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.model_source import SMOLLM2_MODEL_NAME, resolve_model
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.loading.model_source import SMOLLM2_MODEL_NAME
+from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.scheduler import SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 

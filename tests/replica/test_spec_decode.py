@@ -19,10 +19,10 @@ from tokenflow.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenflow.replica.drafter import NgramDrafter
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.model_runner import _accept
-from tokenflow.replica.sampler import Sampler, SamplingMetadata
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.worker.drafter import NgramDrafter
+from tokenflow.replica.worker.model_runner import _accept
+from tokenflow.replica.worker.sampler import Sampler, SamplingMetadata
 from tokenflow.scheduler import SamplingParams
 
 NUM_NEW = 24

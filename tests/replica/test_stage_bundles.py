@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tokenflow.config import EngineConfig, ModelConfig, ParallelConfig
-from tokenflow.replica import ray_executor, stage_bundles
-from tokenflow.replica.stage_bundles import replica_bundles, stages_use_gpu
+from tokenflow.replica.worker import ray_executor, stage_bundles
+from tokenflow.replica.worker.stage_bundles import replica_bundles, stages_use_gpu
 
 
 @pytest.mark.parametrize(("device", "gpus", "expected"), [

@@ -19,9 +19,9 @@ from tokenflow.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from tokenflow.replica.llm import LLM
-from tokenflow.replica.llm_engine import LLMEngine
-from tokenflow.replica.structured_output import StructuredOutputManager
+from tokenflow.replica.engine.llm import LLM
+from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.structured_output import StructuredOutputManager
 from tokenflow.scheduler import RequestStatus, SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from tokenflow.replica.model_source import TINY_MODEL_NAME, resolve_model, tiny_model_dir
-from tokenflow.replica.tiny_model import build_tiny_assets
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.loading.model_source import TINY_MODEL_NAME, tiny_model_dir
+from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.loading.tiny_model import build_tiny_assets
+from tokenflow.replica.loading.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

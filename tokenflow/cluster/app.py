@@ -21,11 +21,12 @@ from ray import serve
 
 from tokenflow.cluster.ingress import OpenAIIngress
 from tokenflow.cluster.server import LLMServer
-from tokenflow.cluster.serving_mode import ServingMode, check_cluster_env
+from tokenflow.cluster.serving_mode import check_cluster_env
 from tokenflow.config import (
     AppConfig,
     DeploymentConfig,
     EngineConfig,
+    ServingMode,
     app_config_from_args,
 )
 
@@ -52,7 +53,7 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
     if parallel.uses_ray:
         # One bundle per stage, the replica's own resources merged into the first, where Serve
         # places the replica itself; the replica's stage actors then go into this group.
-        from tokenflow.replica.stage_bundles import replica_bundles
+        from tokenflow.replica.worker.stage_bundles import replica_bundles
 
         options["placement_group_bundles"] = replica_bundles(engine,
                                                              deployment.ray_actor_options)

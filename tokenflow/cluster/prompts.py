@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenflow.cluster.errors import bad_request
-from tokenflow.replica.model_source import resolve_model
+from tokenflow.replica.loading.resolve import resolve_model
 
 # Normalizers (NFKC, ...) can shrink text a few-fold before it is split into tokens; the
 # byte bound below allows for that, so it only refuses prompts that certainly do not fit.

@@ -33,9 +33,9 @@ from tokenflow.cluster.messages import (
 from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMetrics
 from tokenflow.cluster.pd import PrefillClient
 from tokenflow.config import EngineConfig
-from tokenflow.replica.async_engine import AsyncEngine, EngineDeadError
-from tokenflow.replica.input_processor import ProcessedRequest
-from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
+from tokenflow.replica.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenflow.replica.engine.input_processor import ProcessedRequest
+from tokenflow.replica.engine.output_processor import CompletionOutput, RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)

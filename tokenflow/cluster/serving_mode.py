@@ -21,36 +21,9 @@ are missing instead of letting Serve fall back silently.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import tempfile
-from enum import Enum
 
-from tokenflow.net import claim_port_block, free_port
-
-
-class ServingMode(str, Enum):
-    PROXY_INGRESS = "proxy_ingress"
-    PROXY_INGRESS_GRPC = "proxy_ingress_grpc"
-    PROXY = "proxy"
-    HAPROXY = "haproxy"
-
-    @property
-    def replica_is_ingress(self) -> bool:
-        """The LLMServer deployment serves HTTP itself (no OpenAIIngress deployment)."""
-        return self in (ServingMode.PROXY, ServingMode.HAPROXY)
-
-    def describe(self) -> str:
-        return {
-            ServingMode.PROXY_INGRESS: "Serve proxy -> OpenAIIngress -> LLMServer",
-            ServingMode.PROXY_INGRESS_GRPC: "Serve proxy -> OpenAIIngress -> LLMServer, gRPC "
-                                            "between deployments",
-            ServingMode.PROXY: "Serve proxy -> LLMServer (its own HTTP ingress)",
-            ServingMode.HAPROXY: "HAProxy -> LLMServer's own HTTP port (direct ingress), "
-                                 "replica chosen by the Serve request router",
-        }[self]
-
+from tokenflow.config import ServingMode
 
 # The switches each mode needs; every one is set (to "0" where off) so that a mode never
 # inherits another's from the calling environment.
@@ -90,72 +63,12 @@ FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 _BUFSIZE, _ROUTER_BUFSIZE = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", str(256 * 1024)
 
 
-# The directory of a cluster's own HAProxy files (`cluster_env`, `release_cluster_env`).
-_FILES = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
-
-
-def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
-    """The environment a new Ray cluster needs for `mode` (with `forward_body`, for a request
-    router that reads the request: in the `haproxy` mode HAProxy must send it the body).
-
-    For HAProxy this also gives the cluster its own HAProxy files and admin ports: Ray's
-    defaults (/tmp/haproxy-serve, ports 8404 and 9101) are machine-wide, so two clusters on
-    one machine would overwrite each other's HAProxy. One thread per core it may use, at most 2:
-    the proxy only shuffles bytes, and more threads would take CPU from the engine. And the
-    replica ports of this process's block (`net.claim_port_block`), so that the clusters of
-    two processes on one machine never route to each other's replicas.
-    """
-    env = {**{k: os.environ.get(k, v) for k, v in TUNING.items()}, **switches(mode)}
-    if mode is ServingMode.HAPROXY:
-        # Short: Ray nests a 56-character directory in it, and a socket path has at most 97.
-        base = tempfile.mkdtemp(prefix="tfh-", dir="/tmp")
-        env.update({
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(base, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(base, "admin.sock"),
-            _FILES: base,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(base, "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_NBTHREAD": str(min(2, os.cpu_count() or 1)),
-        })
-        ports = claim_port_block()
-        env.update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ports.start),
-                    # Serve allocates from range(min, max): max is not handed out.
-                    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ports.stop)})
-    return {**env, **body_forwarding(mode, forward_body)}
-
-
-def release_cluster_env(env: dict[str, str]) -> None:
-    """Undo what `cluster_env` left outside the cluster, once the cluster is gone: the HAProxy
-    that ran from its files, if it outlived Ray (it is a child of a Ray actor's worker, and
-    when Ray dies under it nothing else stops it: it would hold the serving port), and the
-    files themselves."""
-    import psutil
-
-    base = env.get(_FILES)
-    if not base:
-        return
-    for process in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(arg.startswith(base + os.sep) for arg in process.info["cmdline"] or ()):
-                process.kill()
-    shutil.rmtree(base, ignore_errors=True)
-
-
 def body_forwarding(mode: ServingMode, forward_body: bool) -> dict[str, str]:
     """The switches that send the request body to the ingress request router (the `haproxy`
     mode, when `forward_body`), the buffer's size a default."""
     if mode is not ServingMode.HAPROXY or not forward_body:
         return {}
     return {FORWARD_BODY: "1", _BUFSIZE: os.environ.get(_BUFSIZE, _ROUTER_BUFSIZE)}
-
-
-def apply_cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
-    """Put `cluster_env(mode, forward_body)` into this process's environment (before
-    `ray.init` starts a cluster, whose processes inherit it); returns what was set."""
-    env = cluster_env(mode, forward_body)
-    os.environ.update(env)
-    return env
 
 
 def check_cluster_env(mode: ServingMode, forward_body: bool = False) -> None:

@@ -7,6 +7,7 @@ import warnings
 
 from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.scheduler.async_scheduler import AsyncScheduler
+from tokenflow.scheduler.grammar import GrammarBackend
 from tokenflow.scheduler.scheduler import Scheduler
 
 
@@ -28,11 +29,11 @@ def build_scheduler(
     max_model_len: int,
     kv_transfer: KVTransferConfig | None = None,
     num_stages: int = 1,
-    structured_outputs: object | None = None,
+    structured_outputs: GrammarBackend | None = None,
 ) -> Scheduler:
     """The configured scheduler class (`AsyncScheduler` with async scheduling, unless a
     `scheduler_cls` is given); `structured_outputs` is the engine's grammar manager
-    (replica.structured_output.StructuredOutputManager), None where the engine has none."""
+    (a `GrammarBackend`), None where the engine has none."""
     cls: type[Scheduler] = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
     if scheduler_config.scheduler_cls:
         cls = import_scheduler_cls(scheduler_config.scheduler_cls)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
 from tokenflow.kv.connector import create_scheduler_connector
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenflow.scheduler.grammar import GrammarBackend
 from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.queue import create_request_queue
 from tokenflow.scheduler.remote_kv import RemoteKV
@@ -23,9 +23,6 @@ from tokenflow.scheduler.sched_output import (
 )
 from tokenflow.scheduler.sessions import Sessions
 from tokenflow.scheduler.stop import check_stop, first_full_check
-
-if TYPE_CHECKING:  # the manager uses xgrammar (and torch); the scheduler only calls it
-    from tokenflow.replica.structured_output import StructuredOutputManager
 
 
 class _Admission(enum.Enum):
@@ -69,7 +66,7 @@ class Scheduler:
         max_model_len: int,
         kv_transfer: KVTransferConfig | None = None,
         num_stages: int = 1,
-        structured_outputs: StructuredOutputManager | None = None,
+        structured_outputs: GrammarBackend | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size

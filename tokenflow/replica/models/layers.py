@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenflow.replica.attention import AttentionBackend, AttentionMetadata
+from tokenflow.replica.attention.backends import AttentionBackend, AttentionMetadata
 from tokenflow.replica.models.config import ModelArchConfig, RopeScaling
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim / 2]

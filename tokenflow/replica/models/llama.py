@@ -11,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenflow.replica.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from tokenflow.replica.attention.backends import (
+    AttentionBackend,
+    AttentionMetadata,
+    TorchAttentionBackend,
+)
 from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.models.layers import Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding
 

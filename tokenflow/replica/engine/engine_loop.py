@@ -24,10 +24,14 @@ from typing import Any
 
 from tokenflow.config import EngineConfig
 from tokenflow.net import NODE_IP_ENV, node_ip
-from tokenflow.replica.llm_engine import LLMEngine
-from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.output_processor import CompletionOutput, RequestMetrics, RequestOutput
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.output_processor import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`tokenflow dashboards push`: create or update the dashboards in a Grafana, with grafana-client.
 
-Idempotent: each dashboard keeps its uid (`tokenflow.cluster.dashboards.DASHBOARDS`) and is
+Idempotent: each dashboard keeps its uid (`tokenflow.ops.dashboards.DASHBOARDS`) and is
 saved with `overwrite: true`, so a second push updates the same dashboards (Grafana bumps their
 version) instead of adding copies. They go into one folder, created on the first push.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenflow.cluster.dashboards import dashboards
+from tokenflow.ops.dashboards import dashboards
 
 DEFAULT_FOLDER = "tokenflow"
 

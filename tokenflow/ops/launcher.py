@@ -23,9 +23,9 @@ import threading
 import time
 from typing import Any
 
-from tokenflow.cluster.observe import ObserveOptions, describe, options_from_args
-from tokenflow.cluster.serving_mode import ServingMode, apply_cluster_env, release_cluster_env
-from tokenflow.config import AppConfig, app_config_from_args
+from tokenflow.config import AppConfig, ServingMode, app_config_from_args
+from tokenflow.ops.cluster_env import apply_cluster_env, release_cluster_env
+from tokenflow.ops.observe import ObserveOptions, describe, options_from_args
 
 APP_NAME = "tokenflow"
 POLL_S = 1.0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tokenflow.net import interface_of
-from tokenflow.replica.model_runner import IntermediateTensors
+from tokenflow.replica.worker.model_runner import IntermediateTensors
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int,

@@ -26,7 +26,7 @@ from tokenflow.scheduler.sampling_params import StructuredOutputsParams
 from tokenflow.scheduler.sched_output import GrammarBitmask
 
 if TYPE_CHECKING:
-    from tokenflow.replica.tokenizer import Tokenizer
+    from tokenflow.replica.loading.tokenizer import Tokenizer
     from tokenflow.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

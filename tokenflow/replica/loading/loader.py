@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from tokenflow.replica.attention import select_backend
-from tokenflow.replica.model_source import ModelSource, TensorSource, resolve_model
+from tokenflow.replica.attention.backends import select_backend
+from tokenflow.replica.loading.model_source import ModelSource, TensorSource
+from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.replica.models import CausalLM
 from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.models.registry import get_model_class

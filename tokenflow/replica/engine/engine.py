@@ -7,9 +7,9 @@ import logging
 from collections import deque
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.executor import Executor, StepResult, build_executor
-from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.structured_output import StructuredOutputManager
+from tokenflow.replica.engine.structured_output import StructuredOutputManager
+from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.worker.executor import Executor, StepResult, build_executor
 from tokenflow.scheduler import (
     EngineCoreOutput,
     EngineCoreOutputs,

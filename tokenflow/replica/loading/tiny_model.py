@@ -1,7 +1,7 @@
 """The embedded default model `tokenflow-tiny`: a small Llama config and a byte-level BPE tokenizer.
 
 No weights are shipped: the loader builds them with `load_format="dummy"`. This module only
-builds the packaged assets (`python -m tokenflow.replica.tiny_model`); the runtime finds them
+builds the packaged assets (`python -m tokenflow.replica.loading.tiny_model`); the runtime finds them
 through `model_source`. The tokenizer is trained here, deterministically, on text generated in code, so `build_tiny_assets` rewrites the
 packaged files byte for byte (a test checks it) and nothing is ever downloaded.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from tokenflow.replica.model_source import tiny_model_dir
+from tokenflow.replica.loading.model_source import tiny_model_dir
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

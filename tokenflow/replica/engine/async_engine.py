@@ -11,15 +11,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenflow.config import EngineConfig
-from tokenflow.replica.engine_loop import (
+from tokenflow.replica.engine.engine_loop import (
     EngineDeadError,
     EngineState,
     ProcessLoop,
     ThreadLoop,
 )
-from tokenflow.replica.input_processor import InputProcessor, ProcessedRequest
-from tokenflow.replica.llm_engine import LLMEngine
-from tokenflow.replica.output_processor import RequestOutput
+from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.output_processor import RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams, SchedulerStats
 
 logger = logging.getLogger(__name__)

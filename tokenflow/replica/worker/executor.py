@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from tokenflow.config import EngineConfig, resolve_max_model_len
-from tokenflow.replica.worker import Worker
+from tokenflow.replica.worker.worker import Worker
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -78,7 +78,7 @@ class InProcExecutor:
 
 def build_executor(config: EngineConfig) -> Executor:
     if config.parallel.uses_ray:
-        from tokenflow.replica.ray_executor import RayExecutor
+        from tokenflow.replica.worker.ray_executor import RayExecutor
 
         return RayExecutor(config)
     return InProcExecutor(config)

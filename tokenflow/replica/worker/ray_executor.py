@@ -37,9 +37,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tokenflow.config import EngineConfig, resolve_max_model_len
-from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.stage_bundles import cluster_gpus, stage_bundles, stages_use_gpu
-from tokenflow.replica.worker import Worker
+from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.worker.stage_bundles import cluster_gpus, stage_bundles, stages_use_gpu
+from tokenflow.replica.worker.worker import Worker
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

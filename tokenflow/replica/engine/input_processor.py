@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 
 from tokenflow.config import StructuredOutputsConfig
-from tokenflow.replica.structured_output import grammar_of
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.engine.structured_output import grammar_of
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.scheduler import Request, SamplingParams
 
 

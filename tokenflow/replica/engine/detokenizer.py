@@ -13,7 +13,7 @@ settle it; a stop string found (also across pushes) truncates the output and fin
 
 from __future__ import annotations
 
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.loading.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Tokens the prompt lends the first window: decoders that strip a leading space on the first

@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.loading.tokenizer import Tokenizer
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenflow.replica.attention import AttentionMetadata
-from tokenflow.replica.drafter import NgramDrafter
-from tokenflow.replica.input_batch import CachedRequestState, InputBatch, StepInputs
+from tokenflow.replica.attention.backends import AttentionMetadata
 from tokenflow.replica.models.llama import CausalLM
-from tokenflow.replica.sampler import Sampler, SamplingMetadata, apply_token_bitmask
+from tokenflow.replica.worker.drafter import NgramDrafter
+from tokenflow.replica.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from tokenflow.replica.worker.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenflow.scheduler.sched_output import GrammarBitmask
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tokenflow.cluster.grafana import DEFAULT_FOLDER
+from tokenflow.ops.grafana import DEFAULT_FOLDER
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from tokenflow.cluster.dashboards import render
+    from tokenflow.ops.dashboards import render
 
     for path in render(args.directory):
         print(path)
@@ -38,7 +38,7 @@ def _push(args: argparse.Namespace) -> int:
     from grafana_client.client import GrafanaException
     from niquests.exceptions import RequestException
 
-    from tokenflow.cluster.grafana import push
+    from tokenflow.ops.grafana import push
 
     if not args.url:
         raise ValueError("give --url (or set GRAFANA_URL)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenflow.replica.detokenizer import IncrementalDetokenizer
-from tokenflow.replica.tokenizer import Tokenizer
+from tokenflow.replica.engine.detokenizer import IncrementalDetokenizer
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.scheduler import EngineCoreOutput, SamplingParams, TokenLogprobs
 
 

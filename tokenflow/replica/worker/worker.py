@@ -11,11 +11,11 @@ import torch
 from tokenflow.config import EngineConfig
 from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
 from tokenflow.net import free_port
-from tokenflow.replica.drafter import NgramDrafter
-from tokenflow.replica.loader import load_model, resolve_dtype
-from tokenflow.replica.model_runner import ModelRunner
-from tokenflow.replica.model_source import resolve_model
-from tokenflow.replica.pipeline import StagePipe, stage_layer_ranges
+from tokenflow.replica.loading.loader import load_model, resolve_dtype
+from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.worker.drafter import NgramDrafter
+from tokenflow.replica.worker.model_runner import ModelRunner
+from tokenflow.replica.worker.pipeline import StagePipe, stage_layer_ranges
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 

@@ -13,8 +13,8 @@ from tokenflow.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from tokenflow.replica.llm_engine import LLMEngine
-from tokenflow.replica.output_processor import CompletionOutput, RequestOutput
+from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.output_processor import CompletionOutput, RequestOutput
 from tokenflow.scheduler import SamplingParams
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

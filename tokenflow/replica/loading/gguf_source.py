@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from tokenflow.replica.gguf_file import GGUFFile, read_gguf
-from tokenflow.replica.gguf_tokenizer import gguf_tokenizer
-from tokenflow.replica.model_source import ModelSource
+from tokenflow.replica.loading.gguf_file import GGUFFile, read_gguf
+from tokenflow.replica.loading.gguf_tokenizer import gguf_tokenizer
+from tokenflow.replica.loading.model_source import ModelSource
+from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.replica.models.config import ModelArchConfig
-from tokenflow.replica.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import torch
