@@ -33,7 +33,8 @@ class ModelClock:
 
     def __init__(self, llm: LLM) -> None:
         self.busy_s = 0.0
-        model = llm.engine.core.executor.worker.model
+        executor = llm.engine.executor
+        model = executor.model
         model.forward = self._timed(model.forward)
         model.compute_logits = self._timed(model.compute_logits)
 

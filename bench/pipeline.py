@@ -36,7 +36,7 @@ class _SchedulerTimer:
     def __init__(self, llm: LLM) -> None:
         self.seconds = 0.0
         self.steps = 0
-        scheduler = llm.engine.core.scheduler
+        scheduler = llm.engine.scheduler
         scheduler.schedule = self._timed(scheduler.schedule, count=True)
         scheduler.update_from_output = self._timed(scheduler.update_from_output)
 
@@ -68,7 +68,7 @@ def _run(model_dir: Path, trace: list, args: Any, pp: int, threads: int,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
               kv_cache_memory_bytes=args.kv_bytes, pipeline_parallel_size=pp,
               num_threads=threads, stage_num_cpus=1, pipeline_control=control)
-    executor = llm.engine.core.executor
+    executor = llm.engine.executor
     timings = executor.take_timings if pp > 1 else executor.worker.take_timings
     try:
         timer = _SchedulerTimer(llm)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenflow.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.engine import Engine
 from tokenflow.scheduler import SamplingParams
 
 TEXT = (
@@ -42,7 +42,7 @@ RANDOM = [
 ]
 
 
-def _run(engine: LLMEngine, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+def _run(engine: Engine, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     tokenizer = engine.tokenizer
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     stamps: dict[str, list[float]] = {}
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     engines = {
-        name: LLMEngine(
+        name: Engine(
             EngineConfig(
                 model=ModelConfig(model=args.model),
                 scheduler=SchedulerConfig(max_model_len=1024),

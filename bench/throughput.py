@@ -85,8 +85,9 @@ class ForwardTimer:
     def __init__(self, llm: LLM) -> None:
         self.forward_s = 0.0
         self.step_s = 0.0
-        model = llm.engine.core.executor.worker.model
         engine = llm.engine
+        executor = engine.executor
+        model = executor.model
         model.forward = self._timed(model.forward, "forward_s")
         model.compute_logits = self._timed(model.compute_logits, "forward_s")
         engine.step = self._timed(engine.step, "step_s")
@@ -125,8 +126,9 @@ def decode_probe(llm: LLM, batch: int) -> dict:
     for i in range(batch):
         engine.add_request(f"probe-{i}", [rng.randrange(5, 2000) for _ in range(256)],
                            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    while len(engine.core.scheduler.running) < batch or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running):
+    scheduler = engine.scheduler
+    while len(scheduler.running) < batch or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
     timer.forward_s = timer.step_s = 0.0
     steps = []
@@ -134,7 +136,8 @@ def decode_probe(llm: LLM, batch: int) -> dict:
         t0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t0)
-    engine.abort_request([f"probe-{i}" for i in range(batch)])
+    for i in range(batch):
+        engine.abort_request(f"probe-{i}")
     while engine.has_unfinished_requests():
         engine.step()
     return {"batch": batch, "median_step_ms": 1000 * statistics.median(steps),

@@ -38,8 +38,8 @@ async def client(server: LLMServer) -> AsyncIterator[tuple[openai.AsyncOpenAI, L
 
 
 def held_blocks(server: LLMServer) -> int:
-    free, total = server.engine.kv_cache
-    return total - free
+    state = server.engine.state
+    return state.num_blocks - state.num_free_blocks
 
 
 async def test_completion_turns_report_the_held_prefix_as_cached(client):

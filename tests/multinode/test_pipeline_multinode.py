@@ -30,8 +30,8 @@ for scenario in ("plain", "preemption"):
               **SCENARIOS[scenario])
     outputs = llm.generate(make_prompts(), params, use_tqdm=False)
     result[scenario] = {{"tokens": [o.outputs[0].token_ids for o in outputs],
-                        "stage_nodes": llm.engine.core.executor.stage_nodes,
-                        "preemptions": llm.engine.totals.num_preemptions}}
+                        "stage_nodes": llm.engine.executor.stage_nodes,
+                        "preemptions": llm.totals.num_preemptions}}
     llm.shutdown()
 print(json.dumps(result))
 """

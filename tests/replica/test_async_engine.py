@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.replica.engine_state import kv_blocks, request_counts
 from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenflow.replica.engine.async_engine import AsyncEngine
 from tokenflow.replica.engine.llm import LLM
@@ -28,13 +29,10 @@ def engine():
     engine.shutdown()
 
 
-def kv(engine):
-    return engine.engine.core.scheduler.kv
-
-
 async def wait_all_free(engine, timeout: float = 10.0) -> None:
     for _ in range(int(timeout / 0.05)):
-        if kv(engine).num_free_blocks == kv(engine).num_blocks:
+        free, total = kv_blocks(engine)
+        if free == total:
             return
         await asyncio.sleep(0.05)
     raise AssertionError("blocks were not returned to the pool")
@@ -68,22 +66,22 @@ async def test_cancel_mid_stream_frees_blocks(engine):
         if seen >= 5:
             break
     # Still running when we walk away: only the cancellation can free it.
-    assert "to-cancel" in engine.engine.core.scheduler.requests
+    assert engine.engine.has_request("to-cancel")
     await stream.aclose()
     await wait_all_free(engine)
-    assert "to-cancel" not in engine.engine.core.scheduler.requests
+    assert not engine.engine.has_request("to-cancel")
 
 
 async def test_a_submitted_request_runs_before_it_is_read(engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = await collect(engine, "submitted early", params)
     processed = engine.process_inputs("submitted early", params, "submitted")
-    queries = engine.totals.prefix_cache_queries
+    queries = engine.state.totals.prefix_cache_queries
     batches = engine.submit(processed)
     # Nobody reads it, and the engine runs it to the end all the same.
     await wait_until(engine.is_idle)
-    assert engine.totals.prefix_cache_queries > queries
-    assert engine.request_counts == (0, 0)
+    assert engine.state.totals.prefix_cache_queries > queries
+    assert request_counts(engine) == (0, 0)
     text, token_ids = "", []
     async for outs in batches:
         for out in outs:
@@ -98,13 +96,13 @@ async def test_a_submitted_request_closed_unread_is_aborted(engine):
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     batches = engine.submit(engine.process_inputs("never read " * 10, params, "unread"))
     for _ in range(200):
-        if "unread" in engine.engine.core.scheduler.requests:
+        if engine.engine.has_request("unread"):
             break
         await asyncio.sleep(0.01)
-    assert "unread" in engine.engine.core.scheduler.requests
+    assert engine.engine.has_request("unread")
     await batches.aclose()
     await wait_all_free(engine)
-    assert "unread" not in engine.engine.core.scheduler.requests
+    assert not engine.engine.has_request("unread")
 
 
 async def test_task_cancellation_aborts(engine):
@@ -171,8 +169,7 @@ def test_stop_string_ends_generation_and_frees_at_once():
                                        stop=[stop], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.text.endswith(stop) and kept.text == cut.text + stop
-    scheduler = llm.engine.core.scheduler
-    assert not scheduler.requests and scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    llm.engine.check_idle()
 
 
 def test_cli_generate_on_default_model():
@@ -191,7 +188,7 @@ def test_cli_generate_reports_missing_model():
 
 
 async def test_failed_step_errors_its_requests_and_the_loop_goes_on(engine, monkeypatch):
-    executor = engine.engine.core.executor
+    executor = engine.engine.executor
     original = executor.execute_model
     calls = {"n": 0}
 
@@ -234,17 +231,17 @@ def count_steps(engine, monkeypatch) -> dict[str, int]:
 
 async def test_pause_all_holds_requests_without_spinning_until_resumed(engine, monkeypatch):
     unpaused = await collect(engine, "held while paused")
-    engine.pause(PauseState.PAUSED_ALL)
+    await engine.pause(PauseState.PAUSED_ALL)
     try:
         assert engine.is_paused() and engine.pause_state is PauseState.PAUSED_ALL
         task = asyncio.create_task(collect(engine, "held while paused", request_id="held"))
-        await wait_until(lambda: engine.request_counts == (0, 1) and engine.is_idle())
+        await wait_until(lambda: request_counts(engine) == (0, 1) and engine.is_idle())
         steps = count_steps(engine, monkeypatch)
         await asyncio.sleep(0.3)
         assert steps["n"] == 0, "a paused engine must sleep, not step"
         assert not task.done()
     finally:
-        engine.resume()
+        await engine.resume()
     assert await task == unpaused
     assert not engine.is_paused()
     await wait_all_free(engine)
@@ -254,7 +251,7 @@ async def test_pause_new_lets_running_requests_finish_and_holds_new_ones(engine)
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     stream = engine.generate("a long story " * 5, long, request_id="drain-long")
     first = await stream.__anext__()  # admitted: it runs to its end through the pause
-    engine.pause(PauseState.PAUSED_NEW)
+    await engine.pause(PauseState.PAUSED_NEW)
     try:
         late = asyncio.create_task(collect(engine, "a late request", request_id="drain-late"))
         num_tokens, finish = len(first.outputs[0].token_ids), None
@@ -263,15 +260,15 @@ async def test_pause_new_lets_running_requests_finish_and_holds_new_ones(engine)
             finish = delta.outputs[0].finish_reason
         assert (num_tokens, finish) == (60, "length")
         await wait_until(engine.is_idle)  # drained: only never admitted requests are left
-        assert engine.request_counts == (0, 1) and not late.done()
+        assert request_counts(engine) == (0, 1) and not late.done()
     finally:
-        engine.resume()
+        await engine.resume()
     _, ids, late_finish = await late
     assert late_finish == "length" and len(ids) == 12
     await wait_all_free(engine)
 
 
-def test_pausing_with_unpaused_is_an_error(engine):
+async def test_pausing_with_unpaused_is_an_error(engine):
     with pytest.raises(ValueError, match="resume"):
-        engine.pause(PauseState.UNPAUSED)
+        await engine.pause(PauseState.UNPAUSED)
     assert not engine.is_paused()

@@ -45,10 +45,7 @@ def tokens(outputs) -> list[list[tuple]]:
 
 
 def assert_drained(llm: LLM) -> None:
-    scheduler = llm.engine.core.scheduler
-    scheduler.kv.check_integrity()
-    assert llm.engine.kv_cache_blocks()[0] == scheduler.kv.num_blocks
-    assert not scheduler.requests
+    llm.engine.check_idle()
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -59,7 +56,7 @@ def test_greedy_is_token_identical_on_every_path(scenario):
     for a, s in zip(async_, sync, strict=True):
         assert [lp.token_ids for lp in a.outputs[0].logprobs] == [
             lp.token_ids for lp in s.outputs[0].logprobs]
-    totals = llm.engine.totals
+    totals = llm.totals
     if scenario == "preemption":
         assert totals.num_preemptions > 0
     if scenario != "no_prefix_cache":
@@ -120,7 +117,8 @@ def run_with_aborts(async_scheduling: bool) -> tuple[dict[str, list[int]], LLM]:
             got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
         steps += 1
         if steps == 4:
-            engine.abort_request(["r0", "r3", "r7"])
+            for request_id in ("r0", "r3", "r7"):
+                engine.abort_request(request_id)
     return got, llm
 
 
@@ -150,14 +148,15 @@ def test_structured_and_free_requests_together_are_identical():
 
 def test_step_n_plus_1_is_scheduled_before_step_n_is_applied():
     llm = make_llm(True)
-    core = llm.engine.core
-    assert isinstance(core.scheduler, AsyncScheduler)
+    engine = llm.engine
+    scheduler, worker = engine.scheduler, engine.executor.worker
+    assert isinstance(scheduler, AsyncScheduler)
     seen = {"placeholders": 0, "threads": set()}
-    schedule, execute = core.scheduler.schedule, core.executor.worker.execute_model
+    schedule, execute = scheduler.schedule, worker.execute_model
 
     def recording_schedule():
         out = schedule()
-        for request in core.scheduler.running:
+        for request in scheduler.running:
             seen["placeholders"] = max(seen["placeholders"], request.num_output_placeholders)
         return out
 
@@ -165,8 +164,8 @@ def test_step_n_plus_1_is_scheduled_before_step_n_is_applied():
         seen["threads"].add(threading.current_thread().name)
         return execute(sched_out)
 
-    core.scheduler.schedule = recording_schedule
-    core.executor.worker.execute_model = recording_execute
+    scheduler.schedule = recording_schedule
+    worker.execute_model = recording_execute
     llm.generate(make_prompts()[:3], SamplingParams(max_tokens=8, temperature=0.0,
                                                     ignore_eos=True), use_tqdm=False)
     # Two tokens not yet known: step N's, and step N+1's scheduled on top of it.

@@ -122,7 +122,7 @@ def test_one_max_model_len_everywhere(llama, caplog):
         llm = LLM(str(llama), num_blocks=4, block_size=16, max_model_len=256)
     assert "lowered from 256 to 64" in caplog.text
     engine = llm.engine
-    assert engine.max_model_len == engine.core.scheduler.max_model_len == 64
+    assert engine.max_model_len == engine.scheduler.max_model_len == 64
     with pytest.raises(ValueError, match="max_model_len=64"):
         llm.generate([[5] * 100], use_tqdm=False)
     (out,) = llm.generate([[5] * 40], SamplingParams(max_tokens=None, ignore_eos=True),
@@ -152,7 +152,7 @@ def test_prompt_logprobs_are_sent_once_across_a_preemption(llama):
     params = SamplingParams(max_tokens=10, prompt_logprobs=0, temperature=0.0, ignore_eos=True)
     prompts = make_prompts()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.totals.num_preemptions > 0
+    assert llm.totals.num_preemptions > 0
     for prompt, out in zip(prompts, outputs, strict=True):
         assert len(out.prompt_logprobs) == len(prompt)
         assert [e.token_ids[0] for e in out.prompt_logprobs[1:]] == prompt[1:]

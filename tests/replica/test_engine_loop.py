@@ -12,6 +12,7 @@ import signal
 import psutil
 import pytest
 
+from tests.replica.engine_state import kv_blocks, request_counts
 from tokenflow.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tokenflow.replica.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenflow.scheduler import PauseState, SamplingParams
@@ -68,9 +69,9 @@ def test_the_engine_process_gives_what_the_engine_thread_gives(process_engine) -
     assert expected[6][0][2] == "stop" and len(expected[7]) == 2
     # The engine lives in another process; its state comes back with every step.
     assert process_engine.engine is None and process_engine.engine_pid != os.getpid()
-    free, total = process_engine.kv_cache
-    assert free == total == 128 and process_engine.request_counts == (0, 0)
-    assert process_engine.totals.prefix_cache_queries > 0
+    free, total = kv_blocks(process_engine)
+    assert free == total == 128 and request_counts(process_engine) == (0, 0)
+    assert process_engine.state.totals.prefix_cache_queries > 0
 
 
 def test_bad_input_is_refused_here_before_it_reaches_the_engine(process_engine) -> None:
@@ -86,21 +87,21 @@ def test_cancel_frees_blocks_and_pause_drains(process_engine) -> None:
         stream = process_engine.generate("a long story " * 20, params)
         async for _ in stream:
             break
-        assert process_engine.kv_cache[0] < 128  # still running when we walk away
+        assert kv_blocks(process_engine)[0] < 128  # still running when we walk away
         await stream.aclose()
-        await wait_for(lambda: process_engine.kv_cache[0] == 128 and process_engine.is_idle(),
+        await wait_for(lambda: kv_blocks(process_engine)[0] == 128 and process_engine.is_idle(),
                        "the aborted request's blocks")
         # Paused with PAUSED_NEW: a running request finishes, a new one waits.
         long = asyncio.create_task(collect(process_engine, "before the pause",
                                            SamplingParams(max_tokens=60, ignore_eos=True)))
-        await wait_for(lambda: process_engine.request_counts[0] == 1, "the first request")
-        process_engine.pause(PauseState.PAUSED_NEW)
+        await wait_for(lambda: request_counts(process_engine)[0] == 1, "the first request")
+        await process_engine.pause(PauseState.PAUSED_NEW)
         late = asyncio.create_task(collect(process_engine, "after the pause",
                                            SamplingParams(max_tokens=4, ignore_eos=True)))
         assert len((await long)[0][1]) == 60
         await wait_for(process_engine.is_idle, "a drained engine")
-        assert not late.done() and process_engine.request_counts == (0, 1)
-        process_engine.resume()
+        assert not late.done() and request_counts(process_engine) == (0, 1)
+        await process_engine.resume()
         assert len((await late)[0][1]) == 4
 
     asyncio.run(run())
@@ -132,7 +133,7 @@ def test_a_new_engine_process_reports_its_state_before_any_step() -> None:
     # Autoscaling and routing ask a fresh replica for its KV usage before it served anything.
     engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
     try:
-        assert engine.kv_cache == (128, 128) and engine.is_idle()
+        assert kv_blocks(engine) == (128, 128) and engine.is_idle()
     finally:
         engine.shutdown()
 

@@ -45,5 +45,5 @@ def test_tiny_gguf_greedy_is_token_exact(tiny, scenario) -> None:
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert outputs[-1].num_cached_tokens >= 32  # the shared prefix was a cache hit
     if scenario == "preemption":
-        assert llm.engine.totals.num_preemptions > 0
-    llm.engine.core.scheduler.kv.check_integrity()
+        assert llm.totals.num_preemptions > 0
+    llm.engine.check_kv_integrity()

@@ -17,6 +17,7 @@ import pytest
 
 from tests.checkpoints import write_checkpoint
 from tests.conftest import Cluster
+from tests.replica.engine_state import kv_blocks
 from tests.replica.test_engine import make_prompts, with_tokenizer
 from tokenflow.config import (
     CacheConfig,
@@ -77,7 +78,7 @@ def assert_all_free(*llms: LLM, timeout_s: float = 60) -> None:
     for llm in llms:
         deadline = time.monotonic() + timeout_s
         while True:
-            free, total = llm.engine.kv_cache_blocks()
+            free, total = kv_blocks(llm.engine)
             if free == total:
                 break
             assert time.monotonic() < deadline, f"{total - free} blocks never freed"
@@ -136,7 +137,7 @@ def _disaggregated(checkpoint, colocated, connector: str, budget: int, producer_
             outs = consumer.generate(prompts, params, use_tqdm=False,
                                      kv_transfer_params=transfers)
         assert [o.outputs[0].token_ids for o in outs] == colocated
-        totals = consumer.engine.totals
+        totals = consumer.totals
         assert totals.kv_transfer_bytes > 0 and totals.kv_transfer_failures == 0
         assert outs[-1].num_cached_tokens >= 32  # the consumer's own prefix hit
         assert_all_free(producer, consumer)
@@ -211,7 +212,7 @@ def test_a_failed_transfer_is_recomputed(checkpoint, colocated, failure) -> None
             producer.shutdown()
         outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
         assert [o.outputs[0].token_ids for o in outs] == colocated
-        assert consumer.engine.totals.kv_transfer_failures == len(prompts)
+        assert consumer.totals.kv_transfer_failures == len(prompts)
         assert_all_free(consumer)
         if failure != "dead-producer":
             assert_all_free(producer)
@@ -235,7 +236,7 @@ def test_an_expired_lease_frees_the_producer_and_a_late_read_is_detected(
         producer.generate([[7] * 200], SamplingParams(max_tokens=1), use_tqdm=False)
         outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
         assert [o.outputs[0].token_ids for o in outs] == colocated
-        assert consumer.engine.totals.kv_transfer_failures > 0
+        assert consumer.totals.kv_transfer_failures > 0
         assert_all_free(producer, consumer)
     finally:
         producer.shutdown()
@@ -252,15 +253,15 @@ def test_an_abort_while_waiting_for_remote_kv_frees_everything(checkpoint) -> No
         transfer["stages"][0]["control_port"] = port
         core = consumer.engine
         core.add_request("r", prompt, SamplingParams(max_tokens=5),)
-        core.abort_request(["r"])  # before it ever ran: nothing to wait for
+        core.abort_request("r")  # before it ever ran: nothing to wait for
         processed = core.process_inputs("w", prompt, SamplingParams(max_tokens=5),
                                         kv_transfer_params=transfer)
         core.add_processed(processed)
         [request] = processed.sequences
         while request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             core.step()
-        assert core.kv_cache_blocks()[0] < core.kv_cache_blocks()[1]  # it holds its blocks
-        core.abort_request(["w"])
+        assert kv_blocks(core)[0] < kv_blocks(core)[1]  # it holds its blocks
+        core.abort_request("w")
         assert_all_free(consumer)  # freed once the (hanging) load gave up
     finally:
         server.close()
@@ -284,8 +285,8 @@ def test_params_without_the_first_token_load_all_but_the_last_prompt_token(
         outs = consumer.generate(prompts, params, use_tqdm=False, kv_transfer_params=transfers)
         greedy = engine(checkpoint).generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
-        assert consumer.engine.totals.kv_transfer_bytes > 0
-        assert consumer.engine.totals.kv_transfer_failures == 0
+        assert consumer.totals.kv_transfer_bytes > 0
+        assert consumer.totals.kv_transfer_failures == 0
         assert_all_free(producer, consumer)
     finally:
         producer.shutdown()

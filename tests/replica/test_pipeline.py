@@ -12,6 +12,7 @@ import ray
 
 from tests.checkpoints import write_checkpoint
 from tests.conftest import Cluster
+from tests.replica.engine_state import kv_blocks
 from tests.replica.test_engine import SCENARIOS, _load_hf, hf_greedy, make_prompts, with_tokenizer
 from tokenflow.replica.engine.llm import LLM
 from tokenflow.replica.worker.pipeline import stage_layer_ranges
@@ -73,8 +74,8 @@ def test_pp2_is_token_exact(cluster: Cluster, checkpoint, reference, scenario, c
         if scenario == "plain":
             assert outputs[-1].num_cached_tokens >= 32
         if scenario == "preemption":
-            assert llm.engine.totals.num_preemptions > 0
-        free, total = llm.engine.kv_cache_blocks()
+            assert llm.totals.num_preemptions > 0
+        free, total = kv_blocks(llm.engine)
         assert free == total
     finally:
         llm.shutdown()
@@ -113,10 +114,10 @@ def test_pp2_sampling_stops_n_and_aborts_match_pp1(cluster: Cluster, checkpoint)
         engine.add_request("b", prompts[4], SamplingParams(max_tokens=5, ignore_eos=True))
         engine.step()
         engine.step()
-        engine.abort_request(["a"])
+        engine.abort_request("a")
         while engine.has_unfinished_requests():
             engine.step()
-        free, total = engine.kv_cache_blocks()
+        free, total = kv_blocks(engine)
         assert free == total
         assert tokenizer.decode(expected_stop.token_ids) is not None
     finally:
@@ -128,7 +129,7 @@ def test_a_dead_stage_fails_its_requests_and_nothing_hangs(cluster: Cluster, che
     llm = LLM(str(checkpoint), num_blocks=128, **PP2)
     try:
         engine = llm.engine
-        executor = engine.core.executor
+        executor = engine.executor
         assert _live_actors_and_groups() == (before[0] + 2, before[1] + 1)
         for i, prompt in enumerate(make_prompts()[:4]):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=150, ignore_eos=True))

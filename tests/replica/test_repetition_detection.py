@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.replica.engine_state import kv_blocks
 from tokenflow.config import (
     CacheConfig,
     EngineConfig,
@@ -89,8 +90,8 @@ def test_repetition_cuts_the_output_where_the_repetition_ends(llm, detector,
         assert (seq.finish_reason, seq.stop_reason) == ("length", None)
     speculative = llm.config.speculative.method is not None
     if speculative:
-        assert llm.engine.totals.num_accepted_tokens > 0  # steps of several tokens happened
+        assert llm.totals.num_accepted_tokens > 0  # steps of several tokens happened
     if speculative and detector == "one_token":
         assert any(trimmed), trimmed  # tokens sampled after the repetition were dropped
-    free, total = llm.engine.kv_cache_blocks()
+    free, total = kv_blocks(llm.engine)
     assert free == total

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
+from tests.replica.engine_state import kv_blocks
 from tokenflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenflow.replica.engine.async_engine import AsyncEngine
-from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.engine import Engine
 from tokenflow.scheduler import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
@@ -22,7 +23,7 @@ def config(prefix_caching: bool = True, timeout_s: float = 60.0) -> EngineConfig
         scheduler=SchedulerConfig(max_num_batched_tokens=256, session_idle_timeout_s=timeout_s))
 
 
-def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+def run(engine: Engine, request_id: str, prompt: list[int], params: SamplingParams
         ) -> tuple[list[int], int, str]:
     """One request to its end: (tokens, cached prompt tokens, finish reason)."""
     engine.add_request(request_id, prompt, params)
@@ -37,7 +38,7 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingP
 
 @pytest.fixture(scope="module")
 def engines():
-    with_sessions, fresh = LLMEngine(config()), LLMEngine(config(prefix_caching=False))
+    with_sessions, fresh = Engine(config()), Engine(config(prefix_caching=False))
     yield with_sessions, fresh
     with_sessions.shutdown()
     fresh.shutdown()
@@ -57,10 +58,10 @@ def test_five_turns_reuse_the_prefix_and_match_fresh_requests(engines):
         assert tokens == run(fresh, f"fresh{k}", prompt, GREEDY)[0], f"turn {k}"
         prompt = prompt + tokens
         held = len(prompt) - 1
-    free, total = engine.kv_cache_blocks()
+    free, total = kv_blocks(engine)
     assert free < total  # the session holds its blocks
     run(engine, "bye", prompt + [9], dataclasses.replace(session, session_close=True))
-    assert engine.kv_cache_blocks() == (total, total)
+    assert kv_blocks(engine) == (total, total)
 
 
 async def test_idle_session_expires_in_the_engine_loop():
@@ -69,13 +70,13 @@ async def test_idle_session_expires_in_the_engine_loop():
         params = dataclasses.replace(GREEDY, session_id="s")
         async for _ in engine.generate(list(range(3, 40)), params):
             pass
-        free, total = engine.kv_cache
+        free, total = kv_blocks(engine)
         assert free < total
         for _ in range(200):  # the loop wakes at least once a second, idle or not
-            if engine.kv_cache == (total, total):
+            if kv_blocks(engine) == (total, total):
                 break
             await asyncio.sleep(0.05)
-        assert engine.kv_cache == (total, total)
+        assert kv_blocks(engine) == (total, total)
     finally:
         engine.shutdown()
 
@@ -86,7 +87,8 @@ async def test_a_request_waiting_for_a_slot_idle_sessions_hold_does_not_spin_the
         scheduler=SchedulerConfig(max_num_seqs=1, session_idle_timeout_s=30),
         engine_loop="thread"))  # its clock and step are patched here
     now = [0.0]
-    engine.engine.core.scheduler.sessions.clock = lambda: now[0]
+    scheduler = engine.engine.scheduler
+    scheduler.sessions.clock = lambda: now[0]
     steps = [0]
     step = engine.engine.step
 

@@ -80,7 +80,7 @@ def test_greedy_is_token_exact_chunked_with_prefix_hits_and_preemption(source, h
               block_size=16)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    totals = llm.engine.totals
+    totals = llm.totals
     assert totals.num_preemptions > 0 and totals.prefix_cache_hits > 0
     assert outputs[0].outputs[0].text.startswith("The capital of France is Paris.")
     hf = transformers.AutoModelForCausalLM.from_pretrained(

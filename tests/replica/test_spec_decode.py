@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.checkpoints import write_checkpoint
+from tests.replica.engine_state import kv_blocks
 from tests.replica.test_engine import SCENARIOS, _load_hf, hf_greedy, with_tokenizer
 from tokenflow.config import (
     CacheConfig,
@@ -62,10 +63,10 @@ def test_greedy_is_identical_with_speculation(checkpoint, scenario) -> None:
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    totals = llm.engine.totals
+    totals = llm.totals
     assert totals.num_accepted_tokens > 0  # the drafts were used, not just proposed
     assert totals.num_accepted_tokens_per_pos[0] >= totals.num_accepted_tokens_per_pos[-1]
-    free, total = llm.engine.kv_cache_blocks()
+    free, total = kv_blocks(llm.engine)
     assert free == total
 
 
@@ -77,7 +78,7 @@ def test_seeded_sampling_is_identical_with_speculation(checkpoint) -> None:
     spec = engine(checkpoint, True)
     fast = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
-    assert spec.engine.totals.num_draft_tokens > 0
+    assert spec.totals.num_draft_tokens > 0
 
 
 def test_drafter_proposes_what_followed_the_last_match() -> None:

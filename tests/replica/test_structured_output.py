@@ -19,8 +19,8 @@ from tokenflow.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tokenflow.replica.engine.engine import Engine
 from tokenflow.replica.engine.llm import LLM
-from tokenflow.replica.engine.llm_engine import LLMEngine
 from tokenflow.replica.engine.structured_output import StructuredOutputManager
 from tokenflow.scheduler import RequestStatus, SamplingParams
 from tokenflow.scheduler.sampling_params import StructuredOutputsParams
@@ -89,7 +89,7 @@ def test_every_completion_follows_its_constraint(tiny, kind) -> None:
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", completion.text  # ended by its grammar
         check(completion.text)
-    scheduler = tiny.engine.core.scheduler
+    scheduler = tiny.engine.scheduler
     assert not scheduler.requests and not scheduler._grammar_req_ids
 
 
@@ -142,30 +142,31 @@ def test_greedy_structured_output_is_the_same_on_every_path(greedy_reference, sc
            else _engine(**SCENARIOS[scenario]))
     outputs = llm.generate(PROMPTS, _greedy_json(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference
-    totals = llm.engine.totals
+    totals = llm.totals
     if scenario == "preemption":
         assert totals.num_preemptions > 0
     if scenario == "speculation":
         # Whitespace runs repeat, so drafts come, and those the grammar allows get accepted.
         assert totals.num_draft_tokens > 0 and totals.num_accepted_tokens > 0
-    llm.engine.core.scheduler.kv.check_integrity()
+    llm.engine.check_kv_integrity()
 
 
 def test_drafts_are_cut_at_the_first_token_the_grammar_refuses(tiny) -> None:
     """The scheduler keeps only the drafts the request's grammar accepts from where it is."""
-    core = tiny.engine.core
+    engine = tiny.engine
     tokenizer = tiny.tokenizer
     processed = tiny.engine.process_inputs("g", "x", SamplingParams(
         max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputsParams(
             choice=["abcabc"])))
     request = processed.sequences[0]
-    core.add_request(request)
+    engine.scheduler.add_request(request)
+    grammars = engine.structured_outputs
     while request.grammar.matcher is None:
-        core.structured_outputs.ready(request)
+        grammars.ready(request)
     ab, c, z = (tokenizer.encode(t, add_special_tokens=False) for t in ("ab", "c", "z"))
-    assert core.structured_outputs.valid_drafts(request, ab + c + z + ab) == ab + c
-    assert core.structured_outputs.valid_drafts(request, z + ab) == []
-    core.abort_requests(["g"])
+    assert grammars.valid_drafts(request, ab + c + z + ab) == ab + c
+    assert grammars.valid_drafts(request, z + ab) == []
+    engine.scheduler.finish_requests(["g"], RequestStatus.FINISHED_ABORTED)
 
 
 def test_a_compiling_grammar_does_not_hold_up_other_requests(monkeypatch) -> None:
@@ -177,12 +178,12 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(monkeypatch) -> Non
         return compile_grammar(self, params)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", gated)
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model="tokenflow-tiny")))
+    engine = Engine(EngineConfig(model=ModelConfig(model="tokenflow-tiny")))
     engine.add_request("structured", "Hello", SamplingParams(
         max_tokens=250, temperature=0.0, structured_outputs=CONSTRAINTS["regex"][0]))
     engine.add_request("plain", "Hello", SamplingParams(max_tokens=8, temperature=0.0,
                                                         ignore_eos=True))
-    scheduler = engine.core.scheduler
+    scheduler = engine.scheduler
     text = {"structured": "", "plain": ""}
     finished: set[str] = set()
 
@@ -227,7 +228,7 @@ def test_a_bad_constraint_is_rejected_before_it_runs(tiny, constraint, message) 
     with pytest.raises(ValueError, match=re.escape(message)):
         tiny.engine.process_inputs("bad", "Hello", SamplingParams(
             structured_outputs=StructuredOutputsParams(**constraint)))
-    assert not tiny.engine.core.scheduler.requests
+    assert not tiny.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -8,7 +8,7 @@ those three tags are simply absent): the Grafana dashboards filter and group by 
 
 Two feeds, neither per token:
 - `observe_request` once per finished request, from its `RequestMetrics` timestamps;
-- `observe_scheduler` from a periodic poll of the engine's scheduler stats (gauges) and its
+- `observe_engine` from a periodic poll of the engine's `EngineState`: gauges now, and its
   cumulative counters (turned into counter increments here).
 
 What the latencies measure (all wall clock, seconds):
@@ -24,10 +24,16 @@ What the latencies measure (all wall clock, seconds):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ray.serve.metrics import Counter, Gauge, Histogram
+
+from tokenflow.scheduler import SchedulerStats
+
+if TYPE_CHECKING:  # the engine's module imports torch; this one is read by the ingress too
+    from tokenflow.replica.engine.engine import EngineState
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0]
@@ -49,26 +55,6 @@ class RequestTiming:
     num_prompt_tokens: int
     num_generation_tokens: int
     max_sequence_tokens: int  # tokens of the longest of the n sequences
-
-
-@dataclass(frozen=True)
-class SchedulerSnapshot:
-    """The scheduler's gauges now, and its counters as totals since the replica started."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    preemptions_total: int
-    num_waiting_for_remote_kvs: int = 0
-    kv_transfer_bytes_total: int = 0
-    kv_transfer_seconds_total: float = 0.0
-    kv_transfer_failures_total: int = 0
-    spec_drafts_total: int = 0
-    spec_draft_tokens_total: int = 0
-    spec_accepted_tokens_total: int = 0
-    spec_accepted_per_pos_total: tuple[int, ...] = ()
 
 
 class ServerMetrics:
@@ -135,7 +121,7 @@ class ServerMetrics:
             "tokenflow_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each position of a step's drafts (0: the first).",
             tag_keys=(*_TAG_KEYS, "position")))
-        self._reported = SchedulerSnapshot(0, 0, 0.0, 0, 0, 0)
+        self._reported = SchedulerStats()  # the counter totals already reported
 
     def observe_request(self, t: RequestTiming) -> None:
         """Record one finished request's latencies and token counts."""
@@ -151,30 +137,31 @@ class ServerMetrics:
         if t.finished_time is not None:
             self.e2e.observe(max(0.0, t.finished_time - t.arrival_time))
 
-    def observe_scheduler(self, s: SchedulerSnapshot) -> None:
-        """Set the gauges; add what the cumulative counters gained since the last call."""
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_cache_usage)
-        last = self._reported
-        _inc(self.prefix_queries, s.prefix_cache_queries_total - last.prefix_cache_queries_total)
-        _inc(self.prefix_hits, s.prefix_cache_hits_total - last.prefix_cache_hits_total)
-        _inc(self.preemptions, s.preemptions_total - last.preemptions_total)
-        self.waiting_remote_kv.set(s.num_waiting_for_remote_kvs)
-        _inc(self.kv_transfer_bytes, s.kv_transfer_bytes_total - last.kv_transfer_bytes_total)
-        _inc(self.kv_transfer_seconds,
-             s.kv_transfer_seconds_total - last.kv_transfer_seconds_total)
-        _inc(self.kv_transfer_failures,
-             s.kv_transfer_failures_total - last.kv_transfer_failures_total)
-        _inc(self.spec_drafts, s.spec_drafts_total - last.spec_drafts_total)
-        _inc(self.spec_draft_tokens, s.spec_draft_tokens_total - last.spec_draft_tokens_total)
-        _inc(self.spec_accepted, s.spec_accepted_tokens_total - last.spec_accepted_tokens_total)
-        before = last.spec_accepted_per_pos_total
-        for pos, total in enumerate(s.spec_accepted_per_pos_total):
+    def observe_engine(self, state: EngineState) -> None:
+        """Set the gauges; add what the engine's counters gained since the last call."""
+        self.running.set(state.num_running)
+        self.waiting.set(state.num_waiting)
+        self.kv_usage.set(state.kv_usage)
+        self.waiting_remote_kv.set(state.num_waiting_for_remote_kvs)
+        now, last = state.totals, self._reported
+        for metric, name in ((self.prefix_queries, "prefix_cache_queries"),
+                             (self.prefix_hits, "prefix_cache_hits"),
+                             (self.preemptions, "num_preemptions"),
+                             (self.kv_transfer_bytes, "kv_transfer_bytes"),
+                             (self.kv_transfer_seconds, "kv_transfer_seconds"),
+                             (self.kv_transfer_failures, "kv_transfer_failures"),
+                             (self.spec_drafts, "num_drafts"),
+                             (self.spec_draft_tokens, "num_draft_tokens"),
+                             (self.spec_accepted, "num_accepted_tokens")):
+            _inc(metric, getattr(now, name) - getattr(last, name))
+        before = last.num_accepted_tokens_per_pos
+        for pos, total in enumerate(now.num_accepted_tokens_per_pos):
             gained = total - (before[pos] if pos < len(before) else 0)
             if gained > 0:
                 self.spec_accepted_per_pos.inc(gained, tags={"position": str(pos)})
-        self._reported = s
+        # A copy: the engine's totals go on changing (in this process, with an engine thread).
+        self._reported = dataclasses.replace(now, num_accepted_tokens_per_pos=list(
+            now.num_accepted_tokens_per_pos))
 
 
 def _inc(counter: Counter, amount: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenflow.cluster.errors import bad_request
-from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.loading.resolve import load_tokenizer
 
 # Normalizers (NFKC, ...) can shrink text a few-fold before it is split into tokens; the
 # byte bound below allows for that, so it only refuses prompts that certainly do not fit.
@@ -23,7 +23,7 @@ class PromptRenderer:
     loop."""
 
     def __init__(self, tokenizer_path: str) -> None:
-        self.tokenizer = resolve_model(tokenizer_path).tokenizer()
+        self.tokenizer = load_tokenizer(tokenizer_path)
 
     def check_size(self, num_bytes: int, max_model_len: int, param: str) -> None:
         """Refuse, before tokenizing it, text whose byte length alone proves that it has more

@@ -1,7 +1,7 @@
 """`LLMServer`: one Ray Serve replica = one `AsyncEngine`.
 
-The ingress tokenizes (DESIGN §1); the replica receives token ids, validates them against the
-model (length, vocabulary) and detokenizes the output through its engine. `generate` is an
+The replica's HTTP side tokenizes (docs/ARCHITECTURE.md); `LLMServer` receives token ids,
+validates them against the model (length, vocabulary) and detokenizes the output through its engine. `generate` is an
 async generator meant for a streaming handle (`handle.options(stream=True)`); their events are
 described in `cluster.messages`. Cancelling a stream (a client that went away) cancels the
 per-prompt tasks, which close their engine streams, which aborts the requests and frees their
@@ -30,7 +30,7 @@ from tokenflow.cluster.messages import (
     StreamEvent,
     TokenLogprob,
 )
-from tokenflow.cluster.metrics import RequestTiming, SchedulerSnapshot, ServerMetrics
+from tokenflow.cluster.metrics import RequestTiming, ServerMetrics
 from tokenflow.cluster.pd import PrefillClient
 from tokenflow.config import EngineConfig
 from tokenflow.replica.engine.async_engine import AsyncEngine, EngineDeadError
@@ -93,9 +93,6 @@ class LLMServer:
         self.engine = AsyncEngine(config)
         self.metrics = ServerMetrics(self.engine.model_name)
         self._recent_ttft = RecentTTFT()  # for the autoscaling policy's SLO signal
-        # Set while unpaused: a paused decode replica sends no new prefills (see `pause`).
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
         # Serve builds replicas on their event loop; outside one (a plain unit test) there is
         # simply no poller.
         try:
@@ -116,8 +113,7 @@ class LLMServer:
         try:
             self.engine.check_health()
         except EngineDeadError as exc:
-            yield Rejected(f"this replica cannot serve: {exc}; retry", None, 503,
-                           ENGINE_DEAD_RETRY_S)
+            yield _engine_dead(exc)
             return
         try:
             processed = [self.engine.process_inputs(p, params, f"{request_id}-{i}", priority,
@@ -133,25 +129,25 @@ class LLMServer:
         disaggregated = self._prefill is not None and PrefillClient.wants(
             prompts, params, kv_transfer_params)
         if disaggregated:
-            events = self._disaggregated(prompts[0], params, request_id, priority,
-                                         received_time)
+            events = self._disaggregated(prompts[0], params, processed[0], request_id,
+                                         priority, received_time)
         elif len(processed) == 1:
             events = self._stream_one(request_id, processed[0], received_time)
         else:
             events = self._stream(request_id, processed, received_time)
         self._num_requests += 1
         try:
-            if disaggregated:
-                await self._unpaused.wait()  # a paused decode replica sends no new prefills
+            if disaggregated:  # a paused decode replica sends no new prefills
+                await self.engine.wait_unpaused()
             async for event in events:
                 yield event
         finally:
             await events.aclose()  # at once: closing it aborts the engine requests
             self._num_requests -= 1
 
-    async def _disaggregated(self, prompt: list[int], params: SamplingParams, request_id: str,
-                             priority: int, received_time: float | None
-                             ) -> AsyncIterator[StreamEvent]:
+    async def _disaggregated(self, prompt: list[int], params: SamplingParams,
+                             processed: ProcessedRequest, request_id: str, priority: int,
+                             received_time: float | None) -> AsyncIterator[StreamEvent]:
         """Prefill on a prefill replica, stream its first token at once, then load the prompt's
         KV from it and decode here (or compute everything here, if the prefill failed)."""
         assert self._prefill is not None
@@ -161,33 +157,63 @@ class LLMServer:
             yield [prefilled.delta]
             yield Finished(len(prompt), len(prefilled.delta.token_ids), 0)
             return
-        transfer = None
+        leading = None
         if prefilled is not None:
-            transfer = {**(prefilled.kv_transfer_params or {}), "first_token_sent": True,
-                        "first_token_ids": prefilled.delta.token_ids}
-        processed = self.engine.process_inputs(prompt, params, f"{request_id}-0", priority,
-                                               transfer)
-        events = self._stream(request_id, [processed], received_time,
-                              prefilled.delta if prefilled else None)
+            leading = prefilled.delta
+            processed = self.engine.with_kv_transfer(processed, {
+                **(prefilled.kv_transfer_params or {}), "first_token_sent": True,
+                "first_token_ids": leading.token_ids})
+        events = self._stream_one(request_id, processed, received_time, leading)
         try:
             async for event in events:
                 yield event
         finally:
             await events.aclose()
 
+    async def _stream_one(self, request_id: str, processed: ProcessedRequest,
+                          received_time: float | None, leading: SeqDelta | None = None
+                          ) -> AsyncIterator[StreamEvent]:
+        """Stream one prompt: the engine's batches go straight out, without a task and a queue
+        per request in between (each a wake-up per step per stream, which on a busy replica
+        takes the engine's CPU). With a stream interval, deltas are held back until it has
+        passed since the last send (the first and the last go at once). `leading`: a delta
+        generated elsewhere (a prefill replica's first token), sent first."""
+        try:
+            # Before Accepted: the engine starts while the caller starts its response.
+            batches = self.engine.submit(processed)
+        except EngineDeadError as exc:
+            yield _engine_dead(exc)
+            return
+        tally = _Tally(len(processed.prompt_token_ids), processed.params.n)
+        held: list[SeqDelta] = []
+        next_send = 0.0
+        try:
+            yield Accepted(request_id, [len(processed.prompt_token_ids)])
+            if leading is not None:
+                yield [leading]
+                tally.num_pregenerated = len(leading.token_ids)
+            async for outs in batches:
+                for out in outs:
+                    held.extend(self._take(out, tally, 0, received_time))
+                now = time.monotonic()
+                if held and (outs[-1].finished or now >= next_send):
+                    yield held
+                    held, next_send = [], now + self._stream_interval_s
+        except Exception as exc:  # the engine died under us: end every open choice with it
+            yield [*held, *_failed(processed, tally, 0, exc)]
+        finally:
+            await batches.aclose()  # a client that left: abort the request now
+        yield _finished([tally])
+
     async def _stream(self, request_id: str, processed: list[ProcessedRequest],
-                      received_time: float | None, leading: SeqDelta | None = None
-                      ) -> AsyncIterator[StreamEvent]:
-        """Run every prompt's engine stream as a task and merge their deltas, yielding each
-        time whatever arrived since the previous yield (one Ray item per batch, not per token).
-        `leading`: a delta generated elsewhere (a prefill replica's first token), sent first."""
+                      received_time: float | None) -> AsyncIterator[StreamEvent]:
+        """Stream several prompts: run each prompt's engine stream as a task and merge their
+        deltas, yielding each time whatever arrived since the previous yield (one Ray item per
+        batch, not per token)."""
         yield Accepted(request_id, [len(p.prompt_token_ids) for p in processed])
         queue: asyncio.Queue[list[SeqDelta] | None] = asyncio.Queue()
         n = processed[0].params.n
         tallies = [_Tally(len(p.prompt_token_ids), n) for p in processed]
-        if leading is not None:
-            yield [leading]
-            tallies[0].num_pregenerated = len(leading.token_ids)
         tasks = [asyncio.create_task(self._pump(p, i * n, tally, queue, received_time))
                  for i, (p, tally) in enumerate(zip(processed, tallies, strict=True))]
         try:
@@ -205,57 +231,12 @@ class LLMServer:
                 if deltas:
                     yield deltas
                     next_send = time.monotonic() + self._stream_interval_s
-            yield Finished(sum(t.num_prompt_tokens for t in tallies),
-                           sum(t.num_generated for t in tallies),
-                           sum(t.num_cached_tokens for t in tallies),
-                           tallies[0].kv_transfer_params if len(tallies) == 1 else None)
+            yield _finished(tallies)
         finally:
             # Normal end: the tasks are done. Cancelled (the caller went away): each task's
             # engine stream closes, which aborts its request and frees its blocks.
             for task in tasks:
                 task.cancel()
-
-    async def _stream_one(self, request_id: str, processed: ProcessedRequest,
-                          received_time: float | None) -> AsyncIterator[StreamEvent]:
-        """`_stream` for one prompt: the engine's batches go straight out, without a task and
-        a queue per request in between (each a wake-up per step per stream, which on a busy
-        replica takes the engine's CPU). With a stream interval, deltas are held back until it
-        has passed since the last send (the first and the last go at once)."""
-        try:
-            # Before Accepted: the engine starts while the caller starts its response.
-            batches = self.engine.submit(processed)
-        except EngineDeadError as exc:
-            yield Rejected(f"this replica cannot serve: {exc}; retry", None, 503,
-                           ENGINE_DEAD_RETRY_S)
-            return
-        tally = _Tally(len(processed.prompt_token_ids), processed.params.n)
-        held: list[SeqDelta] = []
-        next_send = 0.0
-        try:
-            yield Accepted(request_id, [len(processed.prompt_token_ids)])
-            async for outs in batches:
-                finished = False
-                for out in outs:
-                    if not tally.tokens_per_seq:
-                        self._first_token(out, received_time)
-                    tally.add(out)
-                    held.extend(self._delta(0, c, out.error) for c in out.outputs)
-                    if out.finished:
-                        finished = True
-                        self._record(out, tally, received_time)
-                now = time.monotonic()
-                if held and (finished or now >= next_send):
-                    yield held
-                    held, next_send = [], now + self._stream_interval_s
-        except Exception as exc:  # the engine died under us: end every open choice with it
-            logger.warning("request %s failed: %r", processed.request_id, exc)
-            retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
-            yield [*held, *(SeqDelta(j, "", [], None, "error", str(exc), retry)
-                            for j in range(tally.n) if j not in tally.finished)]
-        finally:
-            await batches.aclose()  # a client that left: abort the request now
-        yield Finished(tally.num_prompt_tokens, tally.num_generated, tally.num_cached_tokens,
-                       tally.kv_transfer_params)
 
     async def _pump(self, processed: ProcessedRequest, base_index: int, tally: _Tally,
                     queue: asyncio.Queue[list[SeqDelta] | None],
@@ -263,21 +244,24 @@ class LLMServer:
         """Move one engine stream's deltas onto the merged queue; None marks its end."""
         try:
             async for out in self.engine.generate(processed):
-                if not tally.tokens_per_seq:
-                    self._first_token(out, received_time)
-                tally.add(out)
-                queue.put_nowait([self._delta(base_index, c, out.error) for c in out.outputs])
-                if out.finished:
-                    self._record(out, tally, received_time)
+                queue.put_nowait(self._take(out, tally, base_index, received_time))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the engine died under us: end every open choice with it
-            logger.warning("request %s failed: %r", processed.request_id, exc)
-            retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
-            queue.put_nowait([SeqDelta(base_index + j, "", [], None, "error", str(exc), retry)
-                              for j in range(tally.n) if j not in tally.finished])
+            queue.put_nowait(_failed(processed, tally, base_index, exc))
         finally:
             queue.put_nowait(None)
+
+    def _take(self, out: RequestOutput, tally: _Tally, base_index: int,
+              received_time: float | None) -> list[SeqDelta]:
+        """Count one engine delta (its first token's time, its tokens, the finished request's
+        metrics) and turn it into the stream's deltas; every stream path goes through here."""
+        if not tally.tokens_per_seq:
+            self._first_token(out, received_time)
+        tally.add(out)
+        if out.finished:
+            self._record(out, tally, received_time)
+        return [self._delta(base_index, c, out.error) for c in out.outputs]
 
     @staticmethod
     def _delta(base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
@@ -311,23 +295,21 @@ class LLMServer:
         prefill deployment, new requests do not go to it either until `resume`: their prefill
         would be admitted there, and its KV would wait for a decode engine that admits nothing.
         The prefill replicas get nothing new from a paused decode replica and need no pause."""
-        self.engine.pause(mode)
-        self._unpaused.clear()
+        await self.engine.pause(mode)
         return self.pause_status()
 
     async def resume(self) -> dict[str, Any]:
         """Schedule normally again; requests that arrived meanwhile are admitted."""
-        self.engine.resume()
-        self._unpaused.set()
+        await self.engine.resume()
         return self.pause_status()
 
     def pause_status(self) -> dict[str, Any]:
         """This replica's pause state, whether it is idle (nothing it may run is left: drained,
         when paused with PAUSED_NEW), its running and waiting requests, and its process."""
-        running, waiting = self.engine.request_counts
-        return {"replica": _replica_id(), "state": self.engine.pause_state.value,
-                "idle": self.engine.is_idle(), "running": running, "waiting": waiting,
-                "pid": os.getpid()}
+        state = self.engine.state
+        return {"replica": _replica_id(), "state": state.pause_state.value,
+                "idle": self.engine.is_idle(), "running": state.num_running,
+                "waiting": state.num_waiting, "pid": os.getpid()}
 
     # ------------------------------------------------------------------- health and load
     def check_health(self) -> None:
@@ -336,13 +318,12 @@ class LLMServer:
 
     def stats(self) -> dict[str, Any]:
         """Queue length and KV usage now, and the KV-transfer totals since start."""
-        stats, totals = self.engine.stats, self.engine.totals
-        num_free, num_blocks = self.engine.kv_cache
-        return {"running": stats.num_running_reqs, "waiting": stats.num_waiting_reqs,
-                "requests": self._num_requests,
-                "kv_usage": 1 - num_free / num_blocks, "num_free_blocks": num_free,
-                "num_blocks": num_blocks,
-                "waiting_for_remote_kv": stats.num_waiting_for_remote_kvs,
+        state = self.engine.state
+        totals = state.totals
+        return {"running": state.num_running, "waiting": state.num_waiting,
+                "requests": self._num_requests, "kv_usage": state.kv_usage,
+                "num_free_blocks": state.num_free_blocks, "num_blocks": state.num_blocks,
+                "waiting_for_remote_kv": state.num_waiting_for_remote_kvs,
                 "kv_transfer_bytes": totals.kv_transfer_bytes,
                 "kv_transfer_failures": totals.kv_transfer_failures,
                 "prefill_fallbacks": self._prefill.num_fallbacks if self._prefill else 0}
@@ -356,10 +337,9 @@ class LLMServer:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook for autoscaling policies (`cluster.autoscaling`): requests running and
         waiting in the engine, KV-cache usage, and the recent TTFT."""
-        stats = self.engine.stats
-        num_free, num_blocks = self.engine.kv_cache
-        return replica_stats(stats.num_running_reqs, stats.num_waiting_reqs,
-                             1 - num_free / num_blocks, self._recent_ttft)
+        state = self.engine.state
+        return replica_stats(state.num_running, state.num_waiting, state.kv_usage,
+                             self._recent_ttft)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook for request routers: the same load figures as `stats`."""
@@ -368,22 +348,10 @@ class LLMServer:
     async def _poll_stats(self, interval_s: float) -> None:
         while True:
             try:
-                self.metrics.observe_scheduler(self._snapshot())
+                self.metrics.observe_engine(self.engine.state)
             except Exception:  # metrics must never take the replica down
                 logger.exception("updating scheduler metrics failed")
             await asyncio.sleep(interval_s)
-
-    def _snapshot(self) -> SchedulerSnapshot:
-        stats, totals = self.engine.stats, self.engine.totals
-        num_free, num_blocks = self.engine.kv_cache
-        return SchedulerSnapshot(stats.num_running_reqs, stats.num_waiting_reqs,
-                                 1 - num_free / num_blocks, totals.prefix_cache_queries,
-                                 totals.prefix_cache_hits, totals.num_preemptions,
-                                 stats.num_waiting_for_remote_kvs, totals.kv_transfer_bytes,
-                                 totals.kv_transfer_seconds, totals.kv_transfer_failures,
-                                 totals.num_drafts, totals.num_draft_tokens,
-                                 totals.num_accepted_tokens,
-                                 tuple(totals.num_accepted_tokens_per_pos))
 
     def __del__(self) -> None:
         # Serve calls __del__ when it stops a replica: stop the engine thread cleanly.
@@ -392,6 +360,29 @@ class LLMServer:
             engine.shutdown()
         if getattr(self, "_poller", None) is not None:
             self._poller.cancel()
+
+
+def _engine_dead(exc: EngineDeadError) -> Rejected:
+    return Rejected(f"this replica cannot serve: {exc}; retry", None, 503, ENGINE_DEAD_RETRY_S)
+
+
+def _failed(processed: ProcessedRequest, tally: _Tally, base_index: int,
+            exc: Exception) -> list[SeqDelta]:
+    """The engine failed under a stream: an error delta for each of its open choices (with a
+    retry hint when the engine died, which Serve replaces within seconds)."""
+    logger.warning("request %s failed: %r", processed.request_id, exc)
+    retry = ENGINE_DEAD_RETRY_S if isinstance(exc, EngineDeadError) else None
+    return [SeqDelta(base_index + j, "", [], None, "error", str(exc), retry)
+            for j in range(tally.n) if j not in tally.finished]
+
+
+def _finished(tallies: list[_Tally]) -> Finished:
+    """The stream's last event: token counts over every prompt (and a single prompt's KV
+    transfer params)."""
+    return Finished(sum(t.num_prompt_tokens for t in tallies),
+                    sum(t.num_generated for t in tallies),
+                    sum(t.num_cached_tokens for t in tallies),
+                    tallies[0].kv_transfer_params if len(tallies) == 1 else None)
 
 
 def _replica_id() -> str | None:

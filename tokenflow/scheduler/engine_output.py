@@ -28,6 +28,22 @@ class SchedulerStats:
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
 
+    def add(self, step: SchedulerStats) -> None:
+        """Add a step's counters to these (totals since start); gauges are not summed."""
+        for name in _COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(step, name))
+        per_position = self.num_accepted_tokens_per_pos
+        for pos, count in enumerate(step.num_accepted_tokens_per_pos):
+            if pos == len(per_position):
+                per_position.append(0)
+            per_position[pos] += count
+
+
+# The counters of `SchedulerStats` (increments per step; the other fields are gauges).
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_drafts",
+             "num_draft_tokens", "num_accepted_tokens", "kv_transfer_bytes",
+             "kv_transfer_seconds", "kv_transfer_failures")
+
 
 @dataclass(slots=True)
 class EngineCoreOutput:

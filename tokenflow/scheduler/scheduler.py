@@ -215,6 +215,10 @@ class Scheduler:
         """(free blocks, total blocks) of the KV cache now."""
         return self.kv.num_free_blocks, self.kv.num_blocks
 
+    def check_kv_integrity(self) -> None:
+        """Raise if the KV cache's block accounting is broken (see `KVCacheManager`)."""
+        self.kv.check_integrity()
+
     # --------------------------------------------------------------------------- pausing
     @property
     def pause_state(self) -> PauseState:

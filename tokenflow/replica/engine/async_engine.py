@@ -1,4 +1,4 @@
-"""AsyncEngine: asyncio streams for callers, over an engine loop that runs in a thread of
+"""AsyncEngine: asyncio streams for callers, over the step loop that runs in a thread of
 this process or in a process of its own (`engine_loop`)."""
 
 from __future__ import annotations
@@ -11,18 +11,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenflow.config import EngineConfig
+from tokenflow.replica.engine.engine import Engine, EngineState
 from tokenflow.replica.engine.engine_loop import (
+    AbortRequest,
+    AddRequest,
+    Command,
     EngineDeadError,
-    EngineState,
-    ProcessLoop,
-    ThreadLoop,
+    EngineProcess,
+    EngineThread,
+    Pause,
+    Resume,
 )
 from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
-from tokenflow.replica.engine.llm_engine import LLMEngine
 from tokenflow.replica.engine.output_processor import RequestOutput
-from tokenflow.scheduler import PauseState, SamplingParams, SchedulerStats
+from tokenflow.scheduler import PauseState, SamplingParams
 
 logger = logging.getLogger(__name__)
+# How often a caller waiting for a pause to apply (or to end) looks again.
+_PAUSE_POLL_S = 0.005
 
 
 @dataclass
@@ -34,27 +40,26 @@ class _Stream:
 
 
 class AsyncEngine:
-    """Owns the client streams of one engine and the loop that steps it (`ThreadLoop`: an
-    `LLMEngine` in a thread here; `ProcessLoop`: one in a process of its own, as
+    """Owns the client streams of one engine and the host of its step loop (`EngineThread`:
+    an `Engine` in a thread here; `EngineProcess`: one in a process of its own, as
     `EngineConfig.engine_loop` says).
 
     Callers on any asyncio loop get `generate(...)`, an async iterator of `RequestOutput`
     deltas; closing or cancelling the iterator aborts the request and frees its blocks.
-    `pause`/`resume` reach the scheduler through the loop, in order with requests.
+    `pause`/`resume` reach the scheduler (which holds the pause state) through the loop, in
+    order with requests.
     """
 
-    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
         self._streams: dict[str, _Stream] = {}
-        # What callers asked for last (the loop applies it before its next step).
-        self._pause_state = PauseState.UNPAUSED
-        self._loop: ThreadLoop | ProcessLoop
+        self._loop: EngineThread | EngineProcess
         if engine is None and config.uses_engine_process:
-            self._loop = ProcessLoop(config, self._deliver_step, self._fail_all)
+            self._loop = EngineProcess(config, self._deliver_step, self._fail_all)
         else:
-            self._loop = ThreadLoop(engine or LLMEngine(config), self._deliver_step,
-                                    self._fail_all)
+            self._loop = EngineThread(engine or Engine(config), self._deliver_step,
+                                      self._fail_all)
         # The engine of this process (None when it runs in its own).
-        self.engine: LLMEngine | None = self._loop.engine
+        self.engine: Engine | None = self._loop.engine
         info = self._loop.info
         self._inputs = InputProcessor(self._loop.tokenizer, info.max_model_len,
                                       info.vocab_size, config.structured_outputs)
@@ -79,32 +84,13 @@ class AsyncEngine:
     @property
     def engine_pid(self) -> int | None:
         """The engine process's pid (None when the engine runs in this process)."""
-        return self._loop.pid if isinstance(self._loop, ProcessLoop) else None
+        return self._loop.pid if isinstance(self._loop, EngineProcess) else None
 
     @property
-    def _state(self) -> EngineState:
+    def state(self) -> EngineState:
+        """The engine as of its latest step or applied command: requests, KV blocks and
+        usage, counters since start, the pause state."""
         return self._loop.state()
-
-    @property
-    def stats(self) -> SchedulerStats:
-        """Gauges of the last step. An idle engine takes no steps, so when nothing is
-        unfinished the running and waiting counts are reported as zero."""
-        return self._state.stats
-
-    @property
-    def totals(self) -> SchedulerStats:
-        """Counters (prefix-cache queries and hits, preemptions, drafts) since start."""
-        return self._state.totals
-
-    @property
-    def kv_cache(self) -> tuple[int, int]:
-        """(free blocks, total blocks) of the KV cache as of the last step."""
-        return self._state.kv_cache
-
-    @property
-    def request_counts(self) -> tuple[int, int]:
-        """(running, waiting) requests as of the last step."""
-        return self._state.request_counts
 
     @property
     def error(self) -> BaseException | None:
@@ -134,6 +120,12 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None) -> ProcessedRequest:
         return self._inputs.process(request_id or uuid.uuid4().hex, prompt, params, priority,
                                     kv_transfer_params)
+
+    def with_kv_transfer(self, processed: ProcessedRequest,
+                         kv_transfer_params: dict) -> ProcessedRequest:
+        """See `InputProcessor.with_kv_transfer`: a validated request, continued from another
+        engine's prefill."""
+        return self._inputs.with_kv_transfer(processed, kv_transfer_params)
 
     async def generate(self, prompt: str | list[int] | ProcessedRequest,
                        params: SamplingParams | None = None, request_id: str | None = None,
@@ -178,7 +170,7 @@ class AsyncEngine:
         # Registered before it is sent: the engine may answer before `_send` returns.
         self._streams[request_id] = stream
         try:
-            self._send(("add", processed))
+            self._send(AddRequest(processed))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -192,28 +184,32 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead engine holds nothing to free
-            self._send(("abort", request_id))
+            self._send(AbortRequest(request_id))
 
     # --------------------------------------------------------------------------- pausing
-    def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
-        """See `PauseState`. Applied before the engine's next step: requests sent after this
-        call are not admitted (PAUSED_NEW) or nothing is scheduled (PAUSED_ALL) until
-        `resume`; a step already under way completes."""
+    async def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
+        """See `PauseState`. Returns once the step loop has applied it (after the step under
+        way, if any): requests sent after this call are not admitted (PAUSED_NEW) or nothing
+        is scheduled (PAUSED_ALL) until `resume`."""
         if mode is PauseState.UNPAUSED:
             raise ValueError("pause needs PAUSED_NEW or PAUSED_ALL; resume() unpauses")
-        self._pause_state = mode
-        self._send(("pause", mode))
+        await self._applied(self._send(Pause(mode)))
 
-    def resume(self) -> None:
-        self._pause_state = PauseState.UNPAUSED
-        self._send(("resume", None))
-
-    def is_paused(self) -> bool:
-        return self._pause_state is not PauseState.UNPAUSED
+    async def resume(self) -> None:
+        await self._applied(self._send(Resume()))
 
     @property
     def pause_state(self) -> PauseState:
-        return self._pause_state
+        """The scheduler's, as of the last applied command."""
+        return self.state.pause_state
+
+    def is_paused(self) -> bool:
+        return self.pause_state is not PauseState.UNPAUSED
+
+    async def wait_unpaused(self) -> None:
+        """Return once the engine is not paused (at once when it is not)."""
+        while self.is_paused():
+            await asyncio.sleep(_PAUSE_POLL_S)
 
     def is_idle(self) -> bool:
         """No step could make progress: nothing runs and nothing waits that may run (paused,
@@ -225,8 +221,15 @@ class AsyncEngine:
         self._loop.shutdown()
 
     # ------------------------------------------------------------------ the loop's side
-    def _send(self, command: tuple) -> None:
-        self._loop.send(command)
+    def _send(self, command: Command) -> int:
+        """Send a command to the step loop; returns how many it will have applied after it."""
+        return self._loop.send(command)
+
+    async def _applied(self, count: int) -> None:
+        """Wait until the step loop has applied `count` commands."""
+        while self.state.applied < count:
+            self.check_health()
+            await asyncio.sleep(_PAUSE_POLL_S)
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

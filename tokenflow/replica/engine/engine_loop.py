@@ -1,9 +1,9 @@
-"""Where a replica's step loop runs: a thread of the serving process (`ThreadLoop`), or a
-process of its own (`ProcessLoop`, as vLLM runs its EngineCore), so that the engine and the
+"""Where a replica's step loop runs: a thread of the serving process (`EngineThread`), or a
+process of its own (`EngineProcess`, as vLLM runs its EngineCore), so that the engine and the
 HTTP event loop do not take turns on one GIL. `AsyncEngine` talks to either the same way:
 commands in (`send`), each step's outputs out (`deliver`), and an `EngineState` to read.
 
-Both run `run_steps`, the one step loop: apply the commands that arrived, step while there is
+Both run `run_steps`, THE step loop: apply the commands that arrived, step while there is
 work, wait for commands when there is none.
 """
 
@@ -18,26 +18,52 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 from tokenflow.config import EngineConfig
 from tokenflow.net import NODE_IP_ENV, node_ip
-from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.engine import Engine, EngineState
+from tokenflow.replica.engine.input_processor import ProcessedRequest
 from tokenflow.replica.engine.output_processor import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
 )
-from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.loading.resolve import load_tokenizer
 from tokenflow.replica.loading.tokenizer import Tokenizer
-from tokenflow.scheduler import SchedulerStats
+from tokenflow.scheduler import PauseState
 
 logger = logging.getLogger(__name__)
 
-# ("add", ProcessedRequest) | ("abort", request_id) | ("pause", PauseState) | ("resume", None)
-Command = tuple[str, Any]
+
+# ------------------------------------------------------------------ commands to the loop
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    processed: ProcessedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    mode: PauseState
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Ends an engine process's loop (a thread's ends through `EngineThread.shutdown`)."""
+
+
+Command = AddRequest | AbortRequest | Pause | Resume
 Deliver = Callable[[list[RequestOutput]], None]
 Fail = Callable[[BaseException], None]
 # How long an idle loop waits for a command before it looks again.
@@ -57,42 +83,24 @@ class EngineInfo:
     vocab_size: int
     load_time_s: float
 
-
-@dataclass
-class EngineState:
-    """The engine as of its latest step (or command): gauges of that step (running and
-    waiting zero once nothing is unfinished), counters since start, the KV cache's (free,
-    total) blocks, (running, waiting) requests, whether a step could make progress, and how
-    many commands it has applied."""
-
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-    totals: SchedulerStats = field(default_factory=SchedulerStats)
-    kv_cache: tuple[int, int] = (0, 0)
-    request_counts: tuple[int, int] = (0, 0)
-    has_work: bool = False
-    applied: int = 0
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
+                   engine.load_time_s)
 
 
-def engine_state(engine: LLMEngine, applied: int, has_work: bool) -> EngineState:
-    last = engine.last_stats
-    stats = (last if engine.has_unfinished_requests()
-             else SchedulerStats(kv_cache_usage=last.kv_cache_usage))
-    return EngineState(stats, engine.totals, engine.kv_cache_blocks(), engine.request_counts(),
-                       has_work, applied)
-
-
-def run_steps(engine: LLMEngine, receive: Callable[[bool], list[Command] | None],
+def run_steps(engine: Engine, receive: Callable[[bool], list[Command] | None],
               emit: Callable[[list[RequestOutput], int, bool], None]) -> None:
-    """Step `engine` until `receive(busy)` returns None. `receive` returns the commands that
-    arrived (waiting a while for one when not busy); `emit(outputs, applied, busy)` gets each
-    step's outputs, and is told of commands applied with no step to follow."""
+    """THE step loop: step `engine` until `receive(busy)` returns None. `receive` returns the
+    commands that arrived (waiting a while for one when not busy); `emit(outputs, applied,
+    busy)` gets each step's outputs, and is told of commands applied with no step to follow."""
     applied, busy = 0, engine.has_work()
     while True:
         commands = receive(busy)
         if commands is None:
             return
-        for kind, payload in commands:
-            _apply(engine, kind, payload)
+        for command in commands:
+            apply_command(engine, command)
         applied += len(commands)
         stepped = engine.has_work()
         outputs = engine.step() if stepped else []
@@ -101,27 +109,27 @@ def run_steps(engine: LLMEngine, receive: Callable[[bool], list[Command] | None]
             emit(outputs, applied, busy)
 
 
-def _apply(engine: LLMEngine, kind: str, payload: Any) -> None:
-    if kind == "add":
-        engine.add_processed(payload)
-    elif kind == "abort":
-        engine.abort_request([payload])
-    elif kind == "pause":
-        engine.pause(payload)
-    elif kind == "resume":
-        engine.resume()
-    else:
-        raise ValueError(f"unknown engine command {kind!r}")
+def apply_command(engine: Engine, command: Command) -> None:
+    match command:
+        case AddRequest(processed):
+            engine.add_processed(processed)
+        case AbortRequest(request_id):
+            engine.abort_request(request_id)
+        case Pause(mode):
+            engine.pause(mode)
+        case Resume():
+            engine.resume()
+        case _:
+            raise ValueError(f"unknown engine command {command!r}")
 
 
-class ThreadLoop:
-    """Owns the thread that steps an `LLMEngine` of this process, and its command inbox."""
+class EngineThread:
+    """Owns the thread that steps an `Engine` of this process, and its command inbox."""
 
-    def __init__(self, engine: LLMEngine, deliver: Deliver, fail: Fail) -> None:
+    def __init__(self, engine: Engine, deliver: Deliver, fail: Fail) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
-        self.info = EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
-                               engine.load_time_s)
+        self.info = EngineInfo.of(engine)
         self.error: BaseException | None = None
         self._deliver, self._fail = deliver, fail
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -133,14 +141,17 @@ class ThreadLoop:
         self._thread = threading.Thread(target=self._run, name="tokenflow-engine", daemon=True)
         self._thread.start()
 
-    def send(self, command: Command) -> None:
+    def send(self, command: Command) -> int:
+        """Queue a command; returns how many commands the loop has been sent so far."""
         with self._sent_lock:
             self._sent += 1
+            sent = self._sent
             self._inbox.put(command)
         self._wakeup.set()
+        return sent
 
     def state(self) -> EngineState:
-        return engine_state(self.engine, self._applied, self._has_work)
+        return self.engine.state(self._applied, self._has_work)
 
     def is_idle(self) -> bool:
         return not self._has_work and self._applied == self._sent
@@ -185,8 +196,8 @@ class ThreadLoop:
             self._fail(EngineDeadError(f"engine loop died: {exc!r}"))
 
 
-class ProcessLoop:
-    """Owns an engine process (the `LLMEngine`: scheduler, model, detokenizer), the pipe to
+class EngineProcess:
+    """Owns an engine process (the `Engine`: scheduler, model, detokenizer), the pipe to
     it, and the thread that reads its outputs here. The serving process keeps only what
     validating requests needs (the tokenizer) and the latest `EngineState` it was sent.
 
@@ -205,8 +216,7 @@ class ProcessLoop:
                                         name="tokenflow-engine", daemon=True)
         self._process.start()
         child.close()
-        self.tokenizer: Tokenizer = resolve_model(
-            config.model.tokenizer or config.model.model).tokenizer()
+        self.tokenizer: Tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         try:
             kind, payload = self._conn.recv()
         except EOFError:
@@ -228,12 +238,14 @@ class ProcessLoop:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def send(self, command: Command) -> None:
+    def send(self, command: Command) -> int:
+        """Send a command; returns how many commands the process has been sent so far."""
         with self._send_lock:
             if self.error is not None:
                 raise EngineDeadError(f"the engine process is gone: {self.error}")
             self._sent += 1
             self._conn.send(command)
+            return self._sent
 
     def state(self) -> EngineState:
         return self._state
@@ -252,7 +264,7 @@ class ProcessLoop:
     def shutdown(self) -> None:
         self._stopping = True
         with contextlib.suppress(OSError), self._send_lock:  # OSError: already gone
-            self._conn.send(("stop", None))
+            self._conn.send(Stop())
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -300,13 +312,12 @@ def _engine_process_main(config: EngineConfig, conn: Connection, ip: str) -> Non
     for cls in (RequestOutput, CompletionOutput, RequestMetrics):
         _pickle_by_position(cls)
     try:
-        engine = LLMEngine(config)
+        engine = Engine(config)
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     # The state goes with "ready": the replica answers stats (KV blocks) before any step.
-    conn.send(("ready", (EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
-                                    engine.load_time_s), engine_state(engine, 0, False))))
+    conn.send(("ready", (EngineInfo.of(engine), engine.state())))
 
     def receive(busy: bool) -> list[Command] | None:
         if not conn.poll(0 if busy else _IDLE_WAIT_S):
@@ -314,7 +325,7 @@ def _engine_process_main(config: EngineConfig, conn: Connection, ip: str) -> Non
         commands = []
         while True:
             command = conn.recv()  # EOFError: the serving process is gone
-            if command[0] == "stop":
+            if isinstance(command, Stop):
                 return None
             commands.append(command)
             if not conn.poll(0):
@@ -325,7 +336,7 @@ def _engine_process_main(config: EngineConfig, conn: Connection, ip: str) -> Non
             # The serving side has each request's prompt: sending it with every delta would
             # make most of a step's bytes (and of its pickling, on both sides).
             output.prompt, output.prompt_token_ids = None, []
-        conn.send(("step", outputs, engine_state(engine, applied, busy)))
+        conn.send(("step", outputs, engine.state(applied, busy)))
 
     try:
         run_steps(engine, receive, emit)

@@ -55,6 +55,24 @@ class InputProcessor:
             self.tokenizer.eos_token_ids - {eos} - set(params.stop_token_ids))
         params = dataclasses.replace(params, max_tokens=max_tokens,
                                      stop_token_ids=[*params.stop_token_ids, *extra_stops])
+        return self._build(request_id, text, token_ids, params, priority, kv_transfer_params)
+
+    def with_kv_transfer(self, processed: ProcessedRequest,
+                         kv_transfer_params: dict) -> ProcessedRequest:
+        """`processed` (validated already) continued from another engine's prefill: the same
+        prompt and parameters, with the producer's `kv_transfer_params` (and the token(s) it
+        generated) instead of its own. Raises ValueError for bad `first_token_ids`."""
+        return self._build(processed.request_id, processed.prompt, processed.prompt_token_ids,
+                           processed.params, processed.sequences[0].priority,
+                           kv_transfer_params)
+
+    def _build(self, request_id: str, text: str | None, token_ids: list[int],
+               params: SamplingParams, priority: int,
+               kv_transfer_params: dict | None) -> ProcessedRequest:
+        """The engine-side sequences (n of them) of a validated request."""
+        eos = self.tokenizer.eos_token_id
+        max_tokens = params.max_tokens
+        assert max_tokens is not None, "resolved by process()"
         # A request continued from another engine (prefill/decode disaggregation) arrives with
         # the token(s) that engine already generated: they are its first outputs here too.
         first_ids = list((kv_transfer_params or {}).get("first_token_ids") or [])

@@ -13,9 +13,9 @@ from tokenflow.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from tokenflow.replica.engine.llm_engine import LLMEngine
+from tokenflow.replica.engine.engine import Engine
 from tokenflow.replica.engine.output_processor import CompletionOutput, RequestOutput
-from tokenflow.scheduler import SamplingParams
+from tokenflow.scheduler import SamplingParams, SchedulerStats
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
              "parallel": ParallelConfig}
@@ -34,17 +34,23 @@ def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
 
 
 class LLM:
-    """Owns one LLMEngine and runs batches of prompts through it to completion."""
+    """Owns one Engine and runs batches of prompts through it to completion."""
 
     def __init__(self, model: str = "tokenflow-tiny", config: EngineConfig | None = None,
                  **kwargs: Any) -> None:
         self.config = config or engine_config_from_kwargs(model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = Engine(self.config)
         self._counter = 0
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def totals(self) -> SchedulerStats:
+        """The engine's counters (preemptions, prefix-cache hits, drafts, KV transfers) since
+        start."""
+        return self.engine.totals
 
     def shutdown(self) -> None:
         """Stop the engine's workers (with pipeline stages: their actors and placement group)."""

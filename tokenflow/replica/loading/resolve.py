@@ -6,6 +6,7 @@ Never downloads.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tokenflow.replica.loading.model_source import (
     ModelSource,
     tiny_model_dir,
 )
+from tokenflow.replica.loading.tokenizer import Tokenizer
 
 
 def packaged_model_file(name: str) -> Path:
@@ -57,3 +59,10 @@ def resolve_model(name_or_path: str) -> ModelSource:
         raise ValueError(f"{path} holds {len(ggufs)} .gguf files "
                          f"({', '.join(g.name for g in ggufs)}): pass the file itself")
     return GGUFSource(name_or_path, ggufs[0].resolve())
+
+
+@functools.cache
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """The tokenizer of a model, loaded once per process: the engine, its input validation,
+    its grammar compiler and the replica's prompt renderer all share it."""
+    return resolve_model(name_or_path).tokenizer()

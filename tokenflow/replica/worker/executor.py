@@ -6,6 +6,8 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+import torch
+
 from tokenflow.config import EngineConfig, resolve_max_model_len
 from tokenflow.replica.worker.worker import Worker
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -51,6 +53,11 @@ class InProcExecutor:
         self.worker.init_cache(self.num_blocks, self.max_model_len)
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenflow-model")
                         if config.scheduler.async_scheduling else None)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model this executor runs (benchmarks time its forward)."""
+        return self.worker.model
 
     def execute_model(self, sched_out: SchedulerOutput) -> StepResult:
         if self._thread is not None:
