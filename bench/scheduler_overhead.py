@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, trace: list[dict], dump: IO[str] | None = None
                                           args.max_model_len, args.num_blocks)
     scheduler = Scheduler(sched_cfg, cache_cfg, args.num_blocks, max_model_len)
     if args.gc_freeze:
-        # As EngineCore does after start-up: long-lived objects (every KV block) leave the
+        # As vLLM's EngineCore does after start-up: long-lived objects (every KV block) leave the
         # collector's generations, so collections do not walk them.
         gc.freeze()
     pending = sorted(trace, key=lambda t: t["arrival_s"])

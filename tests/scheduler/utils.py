@@ -6,7 +6,7 @@ pure function of (request id, position), so a preempted and recomputed request m
 exactly the tokens of an undisturbed one.
 
 `ASYNC` (set per test by the scenario tests' fixture) picks the scheduler `create_scheduler`
-builds: the synchronous one or `AsyncScheduler`. `StepDriver` steps a scheduler as EngineCore
+builds: the synchronous one or `AsyncScheduler`. `StepDriver` steps a scheduler as `Engine`
 does: an AsyncScheduler with two steps in flight, its results arriving a step late.
 """
 
@@ -165,7 +165,7 @@ class FakeRunner:
 
 
 class StepDriver:
-    """Steps a scheduler and a fake runner as `EngineCore.step()` does: the runner executes a
+    """Steps a scheduler and a fake runner as `Engine.step()` does: the runner executes a
     step when it is scheduled (workers run steps in order), and with `depth=2` (the default
     for an AsyncScheduler) step N+1 is scheduled before step N's results are applied."""
 

@@ -1,8 +1,7 @@
 """`GrammarBackend`: what the scheduler asks of structured output, and nothing more.
 
-The engine's implementation (`replica.engine.structured_output.StructuredOutputManager`)
-compiles grammars with xgrammar; the scheduler only calls these five methods, so it depends
-on this protocol, not on the replica package.
+The engine's structured-output manager compiles grammars with xgrammar; the scheduler only
+calls these five methods, so it depends on this protocol, not on the package that has it.
 """
 
 from __future__ import annotations

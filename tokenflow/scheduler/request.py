@@ -102,7 +102,7 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)
-    # Its structured-output grammar (replica.structured_output.RequestGrammar); None: free text.
+    # Its structured-output grammar (the `GrammarBackend`'s per-request state); None: free text.
     grammar: Any = None
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
