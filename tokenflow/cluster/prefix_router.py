@@ -1,7 +1,7 @@
 """Prefix-aware routing: send a request to the LLMServer replica most likely to hold its
 prompt's prefix in its KV cache, unless that would pile load onto one replica.
 
-`PrefixAwareRouter` is a Serve `RequestRouter` (`deployment.request_router: prefix` in the app
+`PrefixAwareRouter` is a Serve `RequestRouter` (`deployment.request_router: prefix_aware` in the app
 config). It sees each request's routing arguments: the token ids, when the request comes
 through the OpenAIIngress deployment (which tokenized it); the OpenAI request body, in the
 `haproxy` mode (whose ingress request router forwards it; the router then renders and tokenizes

@@ -1,7 +1,7 @@
 """The ingress side of text: tokenize prompts, render chat templates, (de)tokenize endpoints.
 
-DESIGN §1: the ingress validates, tokenizes and builds SamplingParams; replicas receive token
-ids. Detokenization of the output stays with the engine (it owns stop strings).
+docs/ARCHITECTURE.md §2: the HTTP side validates, tokenizes and builds SamplingParams;
+engines get token ids. Detokenization of the output stays with the engine (it owns stop strings).
 """
 
 from __future__ import annotations

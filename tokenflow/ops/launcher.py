@@ -8,7 +8,7 @@ SIGTERM, watching that its port still answers (if Ray dies under it, it exits no
 seconds; a second Ctrl-C or SIGTERM cuts it short) and shuts down only what it started: on its
 own cluster Ray and every process under it (HAProxy and its files included), on a joined
 cluster only its own application. A cluster started here has the Ray dashboard on; its URL and
-the metrics port are printed (`cluster.observe`).
+the metrics port are printed (`ops.observe`).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class Stop:
     """Ends an engine process's loop (a thread's ends through `EngineThread.shutdown`)."""
 
 
+# What `AsyncEngine` sends; `Stop` only ever goes to an engine process, by its host.
 Command = AddRequest | AbortRequest | Pause | Resume
 Deliver = Callable[[list[RequestOutput]], None]
 Fail = Callable[[BaseException], None]
