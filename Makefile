@@ -23,7 +23,7 @@ METRICS_PORT ?= 8080
 PROMETHEUS_PORT ?= 9090
 PROMETHEUS_DIR := .prometheus
 
-.PHONY: install test lint serve bench clean chart-schema prometheus observe
+.PHONY: install test test-fast lint serve bench clean chart-schema prometheus observe
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The fast tier: every test that starts no Ray cluster (tests/tiers.py marks the others slow),
+# in about two minutes. `make test` (what CI runs) is still everything.
+test-fast: lint
+	$(VENV)/bin/pytest -q -m "not slow and not multinode" $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/tokenflow serve --config configs/local.yaml

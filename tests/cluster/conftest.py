@@ -2,8 +2,9 @@
 
 The main application (`main_app`) is deployed once, with an API key, so every request of the
 suite also goes through the key check. Every application is deleted once the tests that use it
-are done (`deployed`): the tests after them (the multinode and engine tests) share the machine's
-two cores with whatever stays up.
+are done (`deployed`), and the cluster itself stops after its last user (tests/conftest.py): the
+tests after them (those that start clusters of their own, and the multinode ones) share the
+machine's two cores with whatever stays up.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import Cluster, free_port
@@ -46,8 +48,28 @@ def deploy(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any])
     from tokenflow.cluster.app import build_app
 
     serve.run(build_app(args), name=name, route_prefix=route_prefix)
-    return App(name, cluster.http_url + route_prefix.rstrip("/"), args.get("api_key"),
-               serve.get_deployment_handle("LLMServer", app_name=name))
+    app = App(name, cluster.http_url + route_prefix.rstrip("/"), args.get("api_key"),
+              serve.get_deployment_handle("LLMServer", app_name=name))
+    wait_until_routed(app)
+    return app
+
+
+def wait_until_routed(app: App, timeout_s: float = 120) -> None:
+    """Wait until the app's own routes answer through the HTTP ingress: `serve.run` returns
+    when the app is RUNNING, but HAProxy (the default serving mode) reloads its routes after
+    that, and until it has, a request under the app's prefix is HAProxy's plain-text 404
+    ("Path ... not found"), or the answer of another app on "/"."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(f"{app.base_url}/health", timeout=10)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]!r}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        assert time.monotonic() < deadline, f"{app.base_url} not routed after {timeout_s}s: {last}"
+        time.sleep(0.2)
 
 
 def deployed(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any]

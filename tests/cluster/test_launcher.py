@@ -26,7 +26,7 @@ import pytest
 from tests.cluster.conftest import free_port
 from tests.cluster.serve_process import ServeProcess, kill_tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]  # starts its own Ray clusters
 
 CONFIG = """
 engine:
@@ -133,8 +133,8 @@ def test_serve_starts_its_own_cluster_stops_only_what_it_started_and_exits_with_
 def test_the_watch_notices_a_port_that_stops_answering() -> None:
     import socket
 
-    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
+    from tokenflow.ops import launcher
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -179,8 +179,8 @@ def drain_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def test_drain_pauses_new_then_waits_until_every_replica_is_idle(
         drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
+    from tokenflow.ops import launcher
     from tokenflow.scheduler import PauseState
 
     handle = drain_env["handle"] = FakeServerHandle(idle_after_polls=3)
@@ -192,8 +192,8 @@ def test_drain_pauses_new_then_waits_until_every_replica_is_idle(
 
 def test_drain_stops_waiting_at_its_timeout_or_a_second_signal(
         drain_env: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenflow.ops import launcher
     from tokenflow.config import AppConfig
+    from tokenflow.ops import launcher
 
     drain_env["handle"] = FakeServerHandle(idle_after_polls=None)
     started = time.monotonic()

@@ -28,7 +28,7 @@ from tests.cluster.conftest import free_port
 from tests.cluster.prometheus import Prometheus, available
 from tests.needs import need
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]  # starts its own Ray clusters
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {

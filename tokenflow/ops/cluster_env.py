@@ -41,6 +41,11 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
             "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_NBTHREAD": str(min(2, os.cpu_count() or 1)),
+            # The Serve proxy HAProxy falls back to (a replica held DOWN, or one it does not
+            # know yet): Ray's defaults, 8500 and 9500, are shared by every cluster on the
+            # machine, and a request could land in another cluster's proxy (its 404).
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         })
         ports = claim_port_block()
         env.update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ports.start),
