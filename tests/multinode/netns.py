@@ -32,7 +32,10 @@ drivers and workers alike, so actors can be classes from `tests/` or `tokenflow/
     def test_w1(netns_cluster: NamespaceCluster) -> None:  # fixture from conftest.py
         assert netns_cluster.run_driver(DRIVER).json() == netns_cluster.node("w1").ip
 
-The `netns_cluster` fixture is a head and two workers shared by a module; for another shape use
+The `netns_cluster` fixture is a head and two workers shared by every multinode test that asks
+for it (one cluster for the session, `conftest.py`): a test leaves it as it found it (a driver's
+own actors and placement groups go with its job; Serve, whose actors are detached, is shut down
+by the driver that started it). For another shape use
 `with NamespaceCluster(num_workers=..., cpus_per_node=..., resources={"w1": {"prefill": 1}})
 as cluster:` in the test. `run_driver` also takes a script `Path`, extra `env`, `timeout_s`,
 and `check=False` to look at a failing driver's `returncode`/`stderr` instead of raising
