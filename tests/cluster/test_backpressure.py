@@ -89,6 +89,10 @@ async def _burst(app: App, n: int) -> list[tuple[int, dict[str, Any], str | None
                                   headers={"Authorization": f"Bearer {API_KEY}"},
                                   json={"model": MODEL, "prompt": f"request {i}",
                                         "max_tokens": 8, "ignore_eos": True})
+            if r.status_code == 503 and r.text.startswith(ROUTER_FAILED):
+                # HAProxy's own refusal when its route call fails under the burst: a quick
+                # 503 too, but plain text and without Retry-After (issue 22's ground).
+                return r.status_code, {"router_failed": r.text}, r.headers.get("retry-after")
             return r.status_code, _json_body(r), r.headers.get("retry-after")
 
         return await asyncio.gather(*(one(i) for i in range(n)))
@@ -118,6 +122,10 @@ def _replica_stats(app: App, until: Any, timeout_s: float = 60) -> dict[str, Any
         time.sleep(0.2)
 
 
+# How HAProxy's 503 begins when its call to the ingress request router fails.
+ROUTER_FAILED = "Ingress request router failed"
+
+
 @pytest.mark.slow
 def test_512_simultaneous_requests_get_an_answer_or_a_quick_503(busy_app: App) -> None:
     asyncio.run(_burst(busy_app, 64))  # allocations that any load makes, made first
@@ -125,9 +133,14 @@ def test_512_simultaneous_requests_get_an_answer_or_a_quick_503(busy_app: App) -
     results = asyncio.run(_burst(busy_app, 512))
     after = _replica_rss(busy_app)
     ok = [body for status, body, _ in results if status == 200]
-    refused = [(body, retry) for status, body, retry in results if status == 503]
+    refused = [(body, retry) for status, body, retry in results
+               if status == 503 and "router_failed" not in body]
+    router_failed = [body for _, body, _ in results if "router_failed" in body]
     # Nothing else, and no hang.
-    assert len(ok) + len(refused) == 512, [(s, b) for s, b, _ in results if s not in (200, 503)][:5]
+    assert len(ok) + len(refused) + len(router_failed) == 512, [
+        (s, b) for s, b, _ in results if s not in (200, 503)][:5]
+    # The replica's own refusals are the rule; HAProxy's failed route calls the exception.
+    assert len(router_failed) < len(refused), (len(router_failed), len(refused))
     assert ok and refused
     assert all(body["usage"]["completion_tokens"] == 8 for body in ok)
     for body, retry in refused:

@@ -2,12 +2,6 @@
 answers the official `openai` client token-exactly, streams with usage, enforces its API key and
 gives OpenAI's error shape; the default mode with two replicas spreads requests over both.
 
-A Ray cluster's mode is fixed when it starts, so each mode other than the default gets one
-`tokenflow serve` (its own cluster), and so does the default mode's two-replica test (its
-prefix-aware router needs HAProxy to forward request bodies, a switch of the cluster, and it
-drains `tokenflow serve` itself). HAProxy's own balancing (`least_connections`) needs nothing
-but the default mode: it runs as an app on the session's cluster.
-
 The default mode also runs every test of `test_serve.py` (the session cluster is set up for it,
 `tests/conftest.py`); here each other mode gets the same core checks.
 """
@@ -15,7 +9,6 @@ The default mode also runs every test of `test_serve.py` (the session cluster is
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import csv
 import json
 import os
@@ -25,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +27,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.cluster.conftest import Cluster, deployed, free_port
+from tests.cluster.conftest import free_port
 from tests.cluster.serve_process import ServeProcess
 from tokenflow.cluster.serving_mode import check_cluster_env, switches
 from tokenflow.config import AppConfig, ConfigError, EngineConfig, ServingMode, load_app_config
@@ -211,7 +203,7 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
             assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
         # The Serve request router sent requests to both replicas (once HAProxy has both).
-        _wait_for_haproxy_servers_up(lambda: _server_haproxy(server), 2)
+        _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
 
         # One system prompt of several blocks, then each user's own question. Power of two
@@ -261,31 +253,19 @@ def _pause_resume_and_drain(server: ServeProcess, base: str) -> None:
     assert "draining" in server.output and "drained" in server.output, server.output
 
 
-LEAST_CONNECTIONS_APP = "leastconn"
-
-
-def test_haproxy_balances_by_itself_with_least_connections(cluster: Cluster,
-                                                           offline: LLM) -> None:
+@pytest.mark.slow
+def test_haproxy_balances_by_itself_with_least_connections(offline: LLM,
+                                                           tmp_path: Path) -> None:
     """`request_router: least_connections`: no ingress request router (no ReplicaRouter
-    deployment, no call per request); HAProxy spreads requests over both replicas itself.
-
-    An app on the session's cluster, not a cluster of its own: that one runs the `haproxy` mode
-    (tests/conftest.py), and this needs nothing else of a cluster (no router reads the body)."""
-    from ray import serve
-
-    args = {"engine": ENGINE, "api_key": API_KEY, "serving_mode": ServingMode.HAPROXY.value,
-            "deployment": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25},
-                           "request_router": "least_connections"}}
-    apps = deployed(cluster, LEAST_CONNECTIONS_APP, f"/{LEAST_CONNECTIONS_APP}", args)
-    app = next(apps)
+    deployment, no call per request); HAProxy spreads requests over both replicas itself."""
+    server, url = _start(ServingMode.HAPROXY, 2, tmp_path, request_router="least_connections")
     try:
-        status = serve.status().applications[LEAST_CONNECTIONS_APP]
-        assert set(status.deployments) == {"LLMServer"}
-        replicas = " ".join(" ".join(p.cmdline()) for p in
-                            psutil.Process().children(recursive=True))
-        assert f"ServeReplica:{LEAST_CONNECTIONS_APP}:LLMServer" in replicas
-        assert f"ServeReplica:{LEAST_CONNECTIONS_APP}:ReplicaRouter" not in replicas
-        client = openai.OpenAI(base_url=f"{app.base_url}/v1", api_key=API_KEY, max_retries=0)
+        server.wait_for(READY)
+        deployments = " ".join(" ".join(p.cmdline()) for p in
+                               psutil.Process(server.proc.pid).children(recursive=True))
+        assert "ServeReplica:tokenflow:LLMServer" in deployments
+        assert "ReplicaRouter" not in deployments
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         expected = offline.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
         done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
@@ -293,51 +273,25 @@ def test_haproxy_balances_by_itself_with_least_connections(cluster: Cluster,
         assert done.choices[0].text == expected
         # Serve is ready once both replicas are; HAProxy sends traffic to the second only once
         # it has reloaded its config and its health checks passed.
-        _wait_for_haproxy_servers_up(_session_haproxy, 2, app=LEAST_CONNECTIONS_APP)
-        assert len(_busy_replicas(app.base_url)) == 2
+        _wait_for_haproxy_servers_up(server, 2)
+        assert len(_busy_replicas(url)) == 2
     finally:
-        apps.close()
+        server.stop()
 
 
-def _session_haproxy() -> list[psutil.Process]:
-    """The HAProxy of the session's cluster: the one run from its files (tests/conftest.py)."""
-    base = os.environ["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] + os.sep
-    found = []
-    for p in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if p.name() == "haproxy" and any(a.startswith(base) for a in p.cmdline()):
-                found.append(p)
-    return found
-
-
-def _server_haproxy(server: ServeProcess) -> list[psutil.Process]:
-    found = []
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if p.name() == "haproxy":
-                found.append(p)
-    return found
-
-
-def _wait_for_haproxy_servers_up(haproxy: Callable[[], list[psutil.Process]], num: int,
-                                 app: str | None = None, timeout_s: float = 60) -> None:
-    """Until the cluster's HAProxy (`haproxy()`, its processes) reports `num` replica servers UP
-    (of `app`'s backend, when given: Serve names it `http-<app>`), from its admin socket's
-    `show stat`; the socket lies beside the config file that HAProxy's command line names."""
+def _wait_for_haproxy_servers_up(server: ServeProcess, num: int, timeout_s: float = 60) -> None:
+    """Until the cluster's HAProxy reports `num` replica servers UP (its admin socket's
+    `show stat`; the socket lies beside the config file that HAProxy's command line names)."""
     deadline, up = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
         up = []
-        for proc in haproxy():
-            try:
-                args = proc.cmdline()
-            except psutil.Error:  # replaced by a reload meanwhile
-                continue
-            if "-f" in args:
+        for proc in psutil.Process(server.proc.pid).children(recursive=True):
+            args = proc.cmdline()
+            if proc.name() == "haproxy" and "-f" in args:
                 sock = Path(args[args.index("-f") + 1]).parent / "admin.sock"
                 up += [row for row in _haproxy_stat(sock)
                        if row["svname"] not in ("FRONTEND", "BACKEND")
-                       and row["status"] == "UP" and row["bck"] == "0"
-                       and (app is None or row["pxname"] == f"http-{app}")]
+                       and row["status"] == "UP" and row["bck"] == "0"]
         if len(up) >= num:
             return
         time.sleep(0.2)
