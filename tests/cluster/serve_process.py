@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 
@@ -18,6 +19,7 @@ class ServeProcess:
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         self.lines: list[str] = []
+        self._ray_tmp = env.get("RAY_TMPDIR")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenflow.cli", "serve", *args], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -40,6 +42,13 @@ class ServeProcess:
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
+
+    def worker_stderr(self) -> str:
+        """What its cluster's worker processes (Serve replicas among them) wrote to stderr,
+        when the cluster has a temp dir of its own (`RAY_TMPDIR`)."""
+        assert self._ray_tmp, "the cluster shares Ray's default temp dir"
+        files = sorted(Path(self._ray_tmp).glob("ray/session_*/logs/worker-*.err"))
+        return "\n".join(f.read_text(errors="replace") for f in files)
 
     def ray_processes(self) -> list[psutil.Process]:
         children = psutil.Process(self.proc.pid).children(recursive=True)

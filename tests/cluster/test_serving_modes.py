@@ -12,6 +12,7 @@ import concurrent.futures
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ ENGINE: dict[str, Any] = {
     "scheduler": {"max_model_len": 256, "max_num_batched_tokens": 256},
 }
 PROMPTS = ["The quick brown fox", "Ray Serve replicas"]
+MAX_TOKENS = 240  # of each stream of the resume test (max_model_len is 256)
 READY = "serving the OpenAI API"
 
 
@@ -339,6 +341,24 @@ def _replica_processes(server: ServeProcess) -> list[psutil.Process]:
             if "ServeReplica:tokenflow:LLMServer" in " ".join(p.cmdline())]
 
 
+def _run_briefly(url: str, auth: dict[str, str], run_s: float = 0.05) -> dict[str, Any]:
+    """Resume the paused replicas, let them run `run_s`, pause them again (mode `all`); the
+    pause's status. From a process of its own: in this one, the threads reading 16 streams
+    hold the GIL so long that the two calls lie a second apart, in which the test model's
+    replicas finish every stream."""
+    script = (
+        "import httpx, json, sys, time\n"
+        "url, auth, run_s = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])\n"
+        "httpx.post(f'{url}/resume', headers=auth, timeout=60).raise_for_status()\n"
+        "time.sleep(run_s)\n"
+        "paused = httpx.post(f'{url}/pause', params={'mode': 'all'}, headers=auth, timeout=60)\n"
+        "paused.raise_for_status()\n"
+        "print(paused.text)\n")
+    done = subprocess.run([sys.executable, "-c", script, url, json.dumps(auth), str(run_s)],
+                          capture_output=True, text=True, timeout=180, check=True)
+    return json.loads(done.stdout)
+
+
 def _streams(url: str, num: int, max_tokens: int, on_progress: Any = None
              ) -> list[tuple[str, list[str], int]]:
     """`num` greedy streams at once; each one's (text, tokens from its logprobs, usage's
@@ -377,33 +397,53 @@ def test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies(
     each stream goes on on the other one and
     ends token-identical to an uninterrupted run. A request that cannot resume (n=2) gets the
     ingress's 503 with Retry-After in OpenAI's shape instead."""
-    server, url = _start(ServingMode.PROXY_INGRESS, 2, tmp_path)
+    # Two streams at a time on a replica: a replica is busy for ~2 s (quiet machine) with
+    # its 8, time enough for `_run_briefly` to pause it mid-way; the others wait, accepted.
+    server, url = _start(ServingMode.PROXY_INGRESS, 2, tmp_path,
+                         engine={"scheduler": {**ENGINE["scheduler"], "max_num_seqs": 2}})
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)
         assert "serving mode proxy_ingress:" in server.output
         _check_the_api(url, offline)
-        uninterrupted = _streams(url, 16, 120)
-        assert all(used == 120 and len(tokens) == 120 for _, tokens, used in uninterrupted)
+        # Long streams (the test model is quick): the kill must find the victim mid-way.
+        uninterrupted = _streams(url, 16, MAX_TOKENS)
+        assert all(used == MAX_TOKENS == len(tokens) for _, tokens, used in uninterrupted)
 
+        # Kill a replica in the middle of its streams, on a loaded machine too. The streams
+        # start while both replicas are paused (so that all are accepted: a request its dead
+        # replica had not accepted yet is not resumed, issue 22); they run for a moment and
+        # are paused again, and the replica running the most dies while paused. Its streams
+        # resume on the other replica (or its replacement) and everything runs again.
         killed: list[int] = []
 
+        def call(method: str, path: str, **params: str) -> dict[str, Any]:
+            deadline = time.monotonic() + 120
+            while (resp := httpx.request(method, f"{url}{path}", params=params, headers=auth,
+                                         timeout=60)).status_code != 200:
+                assert time.monotonic() < deadline, resp.text  # 503 while a replica is dead
+                time.sleep(0.2)
+            return resp.json()
+
+        call("POST", "/pause", mode="all")
+
         def kill_a_busy_replica(progress: list[int]) -> bool:
-            if min(progress) < 1:
-                return False  # every stream has started (its request was accepted)
-            replicas = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
-            busy = max(replicas["replicas"], key=lambda r: r["running"])
-            if not busy["running"]:
-                # The client reads behind the server (on a loaded machine, far behind): a
-                # replica may be done with streams the client is still reading. Look again.
-                return False
+            if sum(r["waiting"] for r in call("GET", "/is_paused")["replicas"]) < len(progress):
+                return False  # not all accepted yet
+            busy = max(_run_briefly(url, auth)["replicas"], key=lambda r: r["running"])
             [victim] = [p for p in _replica_processes(server) if p.pid == busy["pid"]]
             killed.append(busy["running"])
             victim.kill()  # a process this test started (through tokenflow serve)
+            victim.wait(60)
+            call("POST", "/resume")
             return True
 
-        resumed = _streams(url, 16, 120, on_progress=kill_a_busy_replica)
+        resumed = _streams(url, 16, MAX_TOKENS, on_progress=kill_a_busy_replica)
         assert killed and killed[0] > 0, "no stream was running on the killed replica"
+        # At least one stream went on mid-way (the ingress logs each resume).
+        resumes = [int(n) for n in re.findall(r"lost its replica \(\w+\) after (\d+) tokens",
+                                              server.worker_stderr())]
+        assert resumes and max(resumes) > 0, resumes
         for i, ((text, tokens, used), (text0, tokens0, used0)) in enumerate(
                 zip(resumed, uninterrupted, strict=True)):
             first = next((j for j, (a, b) in enumerate(zip(tokens, tokens0, strict=False))
