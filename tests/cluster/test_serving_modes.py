@@ -314,8 +314,10 @@ def _haproxy_stat(sock: Path) -> list[dict[str, str]]:
 
 
 def _busy_replicas(url: str, num: int = 16) -> set[str]:
-    """Send `num` long requests at once; the replicas seen running or queueing any of them
-    (every request must succeed)."""
+    """Send `num` requests at once; the replicas they went to (every request must succeed).
+    The replicas are paused meanwhile, so that they hold every request until all have
+    arrived: running, the test model finishes a replica's share in a fraction of a second,
+    sooner than a loaded machine lets this process look (seen: 1 == 2)."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
 
     def long_request(i: int) -> int:
@@ -324,14 +326,19 @@ def _busy_replicas(url: str, num: int = 16) -> set[str]:
         return httpx.post(f"{url}/v1/completions", json=body, headers=auth,
                           timeout=300).status_code
 
+    paused = httpx.post(f"{url}/pause", params={"mode": "all"}, headers=auth, timeout=60)
+    assert paused.status_code == 200 and paused.json()["is_paused"], paused.text
     with concurrent.futures.ThreadPoolExecutor(num) as pool:
         futures = [pool.submit(long_request, i) for i in range(num)]
-        busy: set[str] = set()
-        while not all(f.done() for f in futures) and len(busy) < 2:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while True:
             status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30).json()
-            busy |= {r["replica"] for r in status["replicas"]
-                     if r["running"] + r["waiting"] > 0}
+            if sum(r["waiting"] for r in status["replicas"]) == num:
+                break
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), status
+            time.sleep(0.05)
+        busy = {r["replica"] for r in status["replicas"] if r["waiting"]}
+        assert httpx.post(f"{url}/resume", headers=auth, timeout=60).status_code == 200
         assert [f.result() for f in futures] == [200] * num
     return busy
 
