@@ -64,6 +64,12 @@ class ModelConfig(_Frozen):
     # OMP_NUM_THREADS to an actor's num_cpus, which would leave a replica single-threaded;
     # several replicas on one machine should each get their share.)
     num_threads: int | None = Field(default=None, ge=1)
+    # Weight-only quantization of the linear layers on CPU (replica/models/quantized.py):
+    # none keeps float weights; int8 (a scale per row) or int4 (groups of 32 with scale and
+    # zero) keep the weights quantized and multiply them in bfloat16. auto: what the weights
+    # are stored as, on CPU (a GGUF file of 4-bit blocks: int4; of 8-bit ones: int8), none
+    # otherwise (float checkpoints, the GPU).
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
 
     @property
     def name(self) -> str:

@@ -15,18 +15,10 @@ import openai
 import pytest
 
 from tests.cluster.conftest import SERVER_ACTOR_OPTIONS, App, Cluster, deploy
+from tests.questions import QUESTIONS
 from tokenflow.replica.loading.model_source import SMOLLM2_MODEL_NAME
 
 pytestmark = pytest.mark.slow
-
-# (question, a word the answer must contain). Checked with transformers' GGUF loader too.
-QUESTIONS = [
-    ("What is the capital of France?", "Paris"),
-    ("What is the capital of Japan?", "Tokyo"),
-    ("What is the capital of Germany?", "Berlin"),
-    ("What is 2 + 3?", "5"),
-    ("Is Tokyo in Japan? Reply with only the word yes.", "yes"),
-]
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_greedy_is_token_exact_chunked_with_prefix_hits_and_preemption(source, h
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),
                           add_special_tokens=False) for q in QUESTIONS]
     llm = LLM(SMOLLM2_MODEL_NAME, max_model_len=192, max_num_batched_tokens=32, num_blocks=16,
-              block_size=16)
+              block_size=16, quantization="none")  # transformers' float32 path
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     totals = llm.totals

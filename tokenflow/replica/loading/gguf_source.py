@@ -61,6 +61,17 @@ class GGUFSource(ModelSource):
     def tokenizer(self) -> Tokenizer:
         return gguf_tokenizer(read_gguf(self.path).metadata)
 
+    def stored_quantization(self) -> str:
+        """int4 when most of the layers' weights are 4-bit blocks (Q4_0, Q4_1, Q4_K, ...),
+        int8 when they are 8-bit (Q8_0), none for float files (F32, F16, BF16) and the rest."""
+        kinds = [t.tensor_type.name for name, t in read_gguf(self.path).tensors.items()
+                 if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2]
+        if not kinds:
+            return "none"
+        top = max(set(kinds), key=kinds.count)
+        return "int4" if top.startswith(("Q4", "IQ4")) else "int8" if top.startswith("Q8") \
+            else "none"
+
     def tensors(self, wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors named in `wanted` (HF names), float32, in the file's order."""
         import torch

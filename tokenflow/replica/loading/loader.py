@@ -20,6 +20,7 @@ from tokenflow.replica.loading.model_source import ModelSource, TensorSource
 from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.replica.models import CausalLM
 from tokenflow.replica.models.config import ModelArchConfig
+from tokenflow.replica.models.quantized import Quantization, quantize_linears
 from tokenflow.replica.models.registry import get_model_class
 
 _DTYPES = {
@@ -56,6 +57,24 @@ def resolve_dtype(
     return dtype
 
 
+def resolve_quantization(requested: str, source: ModelSource, device: torch.device | str,
+                         load_format: str = "auto") -> Quantization:
+    """`auto`: the checkpoint's own (`ModelSource.stored_quantization`) on CPU, none on a GPU
+    (the packed kernels are CPU ones) or with dummy weights. A quantization the device cannot
+    run is refused."""
+    on_cpu = torch.device(device).type == "cpu"
+    if requested == "auto":
+        if not on_cpu or load_format == "dummy" or source.auto_load_format == "dummy":
+            return "none"
+        requested = source.stored_quantization()
+    if requested != "none" and not on_cpu:
+        raise ValueError(f"quantization {requested!r} runs on the CPU only (its kernels are "
+                         "torch's packed CPU ones); use quantization: none on a GPU")
+    if requested not in ("none", "int8", "int4"):
+        raise ValueError(f"unknown quantization {requested!r}; valid: auto, none, int8, int4")
+    return requested  # type: ignore[return-value]
+
+
 def load_model(
     model: ModelSource | str | Path,
     *,
@@ -64,8 +83,10 @@ def load_model(
     load_format: str = "auto",
     layer_range: tuple[int, int] | None = None,
     seed: int = 0,
+    quantization: Quantization = "none",
 ) -> CausalLM:
-    """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights."""
+    """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights,
+    its linear layers quantized as asked (`quantize_linears`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
@@ -86,6 +107,7 @@ def load_model(
         _fill(needed, _dummy_tensors(needed, seed))
     else:
         _fill(needed, source.tensors(set(needed)))
+    quantize_linears(model, quantization)
     # Inference only: no autograd bookkeeping even if a caller forgets inference_mode.
     return model.eval().requires_grad_(False)
 

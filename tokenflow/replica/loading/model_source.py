@@ -52,6 +52,11 @@ class ModelSource:
     def arch_config(self) -> ModelArchConfig:
         return ModelArchConfig.from_model_dir(self.path)
 
+    def stored_quantization(self) -> str:
+        """How the checkpoint stores its linear weights, as a `ModelConfig.quantization`:
+        float checkpoints say "none"."""
+        return "none"
+
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_dir(self.path)
 

@@ -103,10 +103,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [n, hidden] -> float32 logits [n, vocab] (last stage only)."""
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        if head is None or not self.is_last_stage:
+        if not self.is_last_stage:
             raise RuntimeError("compute_logits runs on the last pipeline stage only")
-        return F.linear(hidden, head.weight).float()
+        if self.lm_head is not None:  # its own, or a quantized copy of the tied embedding
+            return self.lm_head(hidden).float()
+        assert self.embed_tokens is not None
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
 
 class LlamaForCausalLM(CausalLM):

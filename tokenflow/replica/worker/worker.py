@@ -11,7 +11,7 @@ import torch
 from tokenflow.config import EngineConfig
 from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
 from tokenflow.net import free_port
-from tokenflow.replica.loading.loader import load_model, resolve_dtype
+from tokenflow.replica.loading.loader import load_model, resolve_dtype, resolve_quantization
 from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.replica.worker.drafter import NgramDrafter
 from tokenflow.replica.worker.model_runner import ModelRunner
@@ -61,9 +61,12 @@ class Worker:
                                               parallel.pipeline_parallel_size,
                                               parallel.stage_layers)[stage]
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
+        self.quantization = resolve_quantization(config.model.quantization, source,
+                                                 self.device, config.model.load_format)
         self.model = load_model(source, dtype=self.dtype, device=self.device,
                                 load_format=config.model.load_format,
-                                layer_range=self.layer_range, seed=config.model.seed)
+                                layer_range=self.layer_range, seed=config.model.seed,
+                                quantization=self.quantization)
         self.runner: ModelRunner | None = None
         self.pipe: StagePipe | None = None
         self.timings = StageTimings()

@@ -1,0 +1,174 @@
+"""Weight-only quantized linear layers for the CPU: the weights stay int8 or int4 in memory and
+torch's packed CPU kernels multiply them directly, so a decode step reads a quarter (int8) or
+an eighth (int4) of the bytes the float32 weights take.
+
+- `int8`: one symmetric scale per output row (`aten._weight_int8pack_mm`).
+- `int4`: asymmetric groups of `INT4_GROUP` input columns, each with its scale and zero
+  (`aten._weight_int4pack_mm_for_cpu`; a GGUF Q4_1 block is exactly such a group, so its codes
+  survive unchanged; see `quantize_linears`).
+Both kernels are fast only for bfloat16 activations (float32 ones take a slow generic path, ~20x
+slower on this project's machine), so a quantized layer takes its input in the model's dtype,
+multiplies in bfloat16, and hands back the model's dtype: the residual stream, the norms and
+attention stay float32.
+
+The packed kernels win where a step reads many weights for few rows (decode: ~2-3x faster than
+a bfloat16 matmul, ~3-6x than float32, at 1-4 rows); from ~8 rows on (16 for the wide LM head)
+the dense bfloat16 matmul (oneDNN, AVX512-BF16) is faster, ~2.5x the packed kernels at 256
+rows (bench/README, "Quantized weights"). So each layer also keeps its dequantized weight as
+bfloat16 and multiplies by that above its row threshold: 2.5 bytes a weight in all (int4 +
+bfloat16) against float32's 4, both paths multiplying by the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Quantization = Literal["none", "int8", "int4"]
+# Input columns per int4 group: GGUF's 4-bit blocks (Q4_0, Q4_1) are 32 weights of one row.
+INT4_GROUP = 32
+# The packed int4 layout's K tiling (torch's CPU kernel accepts 1, 2, 4 or 8; it only changes
+# the packed order).
+_INNER_K_TILES = 2
+_COMPUTE = torch.bfloat16
+_ROW_MULTIPLE = 16  # output rows of a packed int4 weight
+# Rows above which the dense bfloat16 copy multiplies instead of the packed kernel (measured
+# crossovers on this project's machine: 8 for the layers, 16 for a 49k-row LM head).
+DENSE_ABOVE_ROWS = 8
+HEAD_DENSE_ABOVE_ROWS = 16
+
+
+class QuantizedLinear(nn.Module):
+    """Owns one linear layer's quantized weight (int8 rows or packed int4 groups), its scales,
+    its optional float bias and, once `keep_dense` asked, the dense bfloat16 copy that larger
+    batches multiply by; `forward` is `F.linear` with the dequantized weight."""
+
+    def __init__(self, method: Quantization, in_features: int, out_features: int,
+                 weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.method, self.in_features, self.out_features = method, in_features, out_features
+        self.register_buffer("weight", weight)  # int8 [N, K] or packed int4 uint8 [N, K / 2]
+        # int8: [N]; int4: [K / group, N, 2] (scale, zero), bfloat16
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+        self.register_buffer("dense", None)  # bfloat16 [N, K], see `keep_dense`
+        self.dense_above_rows = 1 << 62
+
+    def keep_dense(self, above_rows: int) -> QuantizedLinear:
+        """Also keep the dequantized weight as bfloat16, and multiply batches of more than
+        `above_rows` rows by it (see the module docstring)."""
+        self.dense = self.dequantized().to(_COMPUTE)
+        self.dense_above_rows = above_rows
+        return self
+
+    @classmethod
+    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """Symmetric per-row int8 of a float weight [N, K]: row scale = max |w| / 127."""
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls("int8", w.shape[1], w.shape[0], codes.contiguous(), scale.to(_COMPUTE),
+                   _float_bias(bias))
+
+    @classmethod
+    def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """Asymmetric int4 groups of `INT4_GROUP` columns of a float weight [N, K]: each
+        group's 16 levels span its min to its max (GGUF's Q4_1 rule, so a weight dequantized
+        from Q4_1 gets its own codes back)."""
+        w = weight.float()
+        rows, cols = w.shape
+        if cols % INT4_GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}, not {cols}")
+        groups = w.view(rows, cols // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        return cls.int4_codes(codes.view(rows, cols).to(torch.int32), scale, low, bias)
+
+    @classmethod
+    def int4_codes(cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """From codes [N, K] in 0..15 and each group's scale and lowest level [N, K / group]:
+        w = low + code * scale. (The kernel's form is (code - 8) * scale + zero.)"""
+        rows, cols = codes.shape
+        # The packed layout takes rows in 16s: pad with zero rows, sliced off the output.
+        pad = -rows % _ROW_MULTIPLE
+        codes, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, low))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), _INNER_K_TILES)
+        zero = low + 8 * scale
+        scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        return cls("int4", cols, rows, packed, scales.to(_COMPUTE), _float_bias(bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(_COMPUTE)
+        if self.dense is not None and flat.shape[0] > self.dense_above_rows:
+            out = F.linear(flat, self.dense)
+        else:
+            out = self._packed(flat)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _packed(self, flat: torch.Tensor) -> torch.Tensor:
+        """bfloat16 [M, K] -> [M, N] through the packed kernel."""
+        if self.method == "int8":
+            return torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
+                                                          self.scales)
+        return out if out.shape[1] == self.out_features else out[:, :self.out_features]
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] this layer multiplies by, as float32 (each value rounded to
+        bfloat16 on the way: the kernel's output dtype)."""
+        return self._packed(torch.eye(self.in_features, dtype=_COMPUTE)).float().T.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.method}, in_features={self.in_features}, out={self.out_features}"
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().float().clone()
+
+
+# The model's linear layers by attribute name: attention, MLP and the LM head.
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+def quantize_linears(model: nn.Module, method: Quantization, keep_dense: bool = True
+                     ) -> nn.Module:
+    """Replace the model's linear layers by `QuantizedLinear`s, in place; each keeps a dense
+    bfloat16 copy for large batches unless `keep_dense` is False. `none` leaves the model as
+    it is.
+
+    The LM head is int8 under either method: it picks the token, a 4-bit head costs the most
+    quality (the default model: 83% top-1 agreement with float32 against 97% with an 8-bit
+    one, and 2 of the README's 5 answers wrong), and GGUF files store it at 8 bits or more.
+    A head tied to the embedding gets a quantized copy of its own: the lookup keeps the
+    float table."""
+    if method == "none":
+        return model
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {method!r}; valid: none, int8, int4")
+    make = QuantizedLinear.int8 if method == "int8" else QuantizedLinear.int4
+
+    def quantized(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+                  ) -> QuantizedLinear:
+        head = name == "lm_head"
+        layer = (QuantizedLinear.int8 if head else make)(weight, bias)
+        if keep_dense:
+            layer.keep_dense(HEAD_DENSE_ABOVE_ROWS if head else DENSE_ABOVE_ROWS)
+        return layer
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in _LINEARS and isinstance(child, nn.Linear):
+                setattr(parent, name, quantized(name, child.weight.data, child.bias))
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", None) is None and getattr(model, "is_last_stage", False) \
+            and embed is not None:
+        model.lm_head = quantized("lm_head", embed.weight.data)
+    return model
+
