@@ -104,7 +104,7 @@ class ForwardTimer:
 def run_tokenflow(model_dir: Path, trace, args) -> dict:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              kv_cache_memory_bytes=args.kv_bytes)
+              kv_cache_memory_bytes=args.kv_bytes, device=args.device, dtype=args.dtype)
     timer = ForwardTimer(llm)
     prompts = [p for p, _ in trace]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in trace]
@@ -163,6 +163,23 @@ def run_transformers(model_dir: Path, trace, batch_size: int) -> dict:
     return {"seconds": elapsed, "output_tokens": num_out, "tok_per_s": num_out / elapsed}
 
 
+def run_vllm(model_dir: Path, trace, args) -> dict:
+    """vLLM's offline engine on the same checkpoint and trace (where vLLM is installed)."""
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmParams
+
+    llm = VllmLLM(model=str(model_dir), dtype=args.dtype, enable_prefix_caching=False,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = [{"prompt_token_ids": p} for p, _ in trace]
+    params = [VllmParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in trace]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": elapsed, "output_tokens": num_out, "tok_per_s": num_out / elapsed}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", choices=["standard", "mixed"], default="standard")
@@ -177,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-dir", default=None, help="reuse a written benchmark model")
     p.add_argument("--pp", type=int, default=1,
                    help="N > 1: compare PP=1 and PP=N at the same total threads instead")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 here)")
+    p.add_argument("--vllm", action="store_true", help="also run vLLM's offline engine")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         return result
-    peak = measure_matmul_gflops()
+    peak = measure_matmul_gflops() if args.device == "cpu" else float("nan")
     ours = run_tokenflow(model_dir, trace, args)
     total_flops = sum(flops_per_token(len(pr) + i) * (1 if i else len(pr))
                       for pr, n in trace for i in range(n))
@@ -213,6 +233,10 @@ def main(argv: list[str] | None = None) -> dict:
     if "transformers" in result:
         line += (f"; transformers {result['transformers']['tok_per_s']:.0f} tok/s "
                  f"-> {result['ratio_vs_transformers']:.2f}x")
+    if args.vllm:
+        result["vllm"] = run_vllm(model_dir, trace, args)
+        line += (f"; vLLM {result['vllm']['tok_per_s']:.0f} tok/s "
+                 f"-> {ours['tok_per_s'] / result['vllm']['tok_per_s']:.2f}x")
     print(line)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
