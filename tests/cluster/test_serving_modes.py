@@ -404,10 +404,12 @@ def test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies(
     each stream goes on on the other one and
     ends token-identical to an uninterrupted run. A request that cannot resume (n=2) gets the
     ingress's 503 with Retry-After in OpenAI's shape instead."""
-    # Two streams at a time on a replica: a replica is busy for ~2 s (quiet machine) with
-    # its 8, time enough for `_run_briefly` to pause it mid-way; the others wait, accepted.
+    # One stream at a time on a replica: a replica is busy for ~4 s (quiet machine) with its
+    # 8, time enough for `_run_briefly` to pause it mid-way even on a loaded machine (two at
+    # a time, ~2 s, was once too short beside two busy processes and a benchmark); the
+    # others wait, accepted.
     server, url = _start(ServingMode.PROXY_INGRESS, 2, tmp_path,
-                         engine={"scheduler": {**ENGINE["scheduler"], "max_num_seqs": 2}})
+                         engine={"scheduler": {**ENGINE["scheduler"], "max_num_seqs": 1}})
     auth = {"Authorization": f"Bearer {API_KEY}"}
     try:
         server.wait_for(READY)

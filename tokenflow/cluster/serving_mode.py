@@ -45,7 +45,13 @@ _SWITCHES: dict[ServingMode, dict[str, str]] = {
 # keeps its value.
 TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
-          "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+          "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+          # A proxy (HAProxy's manager starts a process and waits for it) gets 5 s by Ray's
+          # default to report ready before Serve kills it, and `serve.start` fails: on a
+          # loaded 2-core machine a fresh proxy took longer (seen: HAProxyManager "killed by
+          # ray.kill" in a test run beside two busy processes). Slow is not broken.
+          "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 _ALL_SWITCHES = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
                  "RAY_SERVE_USE_GRPC_BY_DEFAULT")
 

@@ -131,6 +131,10 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "1000"
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "2"
+- name: RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
+  value: "60"
+- name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S
+  value: "30"
 {{- $router := (.Values.tokenflow.deployment | default dict).request_router | default "power_of_two" }}
 {{- if and (eq $mode "haproxy") (eq $router "prefix_aware") }}
 - name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
