@@ -57,27 +57,35 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("dense", None)  # bfloat16 [N, K], see `keep_dense`
         self.dense_above_rows = 1 << 62
 
-    def keep_dense(self, above_rows: int) -> QuantizedLinear:
+    def keep_dense(self, above_rows: int, values: torch.Tensor | None = None
+                   ) -> QuantizedLinear:
         """Also keep the dequantized weight as bfloat16, and multiply batches of more than
-        `above_rows` rows by it (see the module docstring)."""
-        self.dense = self.dequantized().to(_COMPUTE)
+        `above_rows` rows by it (see the module docstring). `values`: that weight, when the
+        caller has it (else it is read back through the kernel, which is slower)."""
+        self.dense = (self.dequantized() if values is None else values).to(_COMPUTE)
         self.dense_above_rows = above_rows
         return self
 
     @classmethod
-    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
-        """Symmetric per-row int8 of a float weight [N, K]: row scale = max |w| / 127."""
+    def int8(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             dense_above_rows: int | None = None) -> QuantizedLinear:
+        """Symmetric per-row int8 of a float weight [N, K]: row scale = max |w| / 127.
+        `dense_above_rows`: `keep_dense` at once."""
         w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls("int8", w.shape[1], w.shape[0], codes.contiguous(), scale.to(_COMPUTE),
-                   _float_bias(bias))
+        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(_COMPUTE)
+        codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        layer = cls("int8", w.shape[1], w.shape[0], codes.contiguous(), scale,
+                    _float_bias(bias))
+        if dense_above_rows is not None:
+            layer.keep_dense(dense_above_rows, codes.float() * scale.float()[:, None])
+        return layer
 
     @classmethod
-    def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+    def int4(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             dense_above_rows: int | None = None) -> QuantizedLinear:
         """Asymmetric int4 groups of `INT4_GROUP` columns of a float weight [N, K]: each
         group's 16 levels span its min to its max (GGUF's Q4_1 rule, so a weight dequantized
-        from Q4_1 gets its own codes back)."""
+        from Q4_1 gets its own codes back). `dense_above_rows`: `keep_dense` at once."""
         w = weight.float()
         rows, cols = w.shape
         if cols % INT4_GROUP:
@@ -86,22 +94,30 @@ class QuantizedLinear(nn.Module):
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12)
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        return cls.int4_codes(codes.view(rows, cols).to(torch.int32), scale, low, bias)
+        return cls.int4_codes(codes.view(rows, cols).to(torch.int32), scale, low, bias,
+                              dense_above_rows)
 
     @classmethod
     def int4_codes(cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> QuantizedLinear:
+                   bias: torch.Tensor | None = None, dense_above_rows: int | None = None
+                   ) -> QuantizedLinear:
         """From codes [N, K] in 0..15 and each group's scale and lowest level [N, K / group]:
-        w = low + code * scale. (The kernel's form is (code - 8) * scale + zero.)"""
+        w = low + code * scale. (The kernel's form is (code - 8) * scale + zero, both
+        bfloat16.)"""
         rows, cols = codes.shape
         # The packed layout takes rows in 16s: pad with zero rows, sliced off the output.
         pad = -rows % _ROW_MULTIPLE
-        codes, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, low))
+        padded, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, low))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            codes.to(torch.int32).contiguous(), _INNER_K_TILES)
-        zero = low + 8 * scale
+            padded.to(torch.int32).contiguous(), _INNER_K_TILES)
+        scale, zero = scale.to(_COMPUTE), (low + 8 * scale).to(_COMPUTE)
         scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        return cls("int4", cols, rows, packed, scales.to(_COMPUTE), _float_bias(bias))
+        layer = cls("int4", cols, rows, packed, scales, _float_bias(bias))
+        if dense_above_rows is not None:
+            groups = (codes.float().view(rows, -1, INT4_GROUP) - 8) * scale[:rows, :, None] \
+                + zero[:rows, :, None]
+            layer.keep_dense(dense_above_rows, groups.view(rows, cols))
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(_COMPUTE)
@@ -157,10 +173,8 @@ def quantize_linears(model: nn.Module, method: Quantization, keep_dense: bool = 
     def quantized(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None
                   ) -> QuantizedLinear:
         head = name == "lm_head"
-        layer = (QuantizedLinear.int8 if head else make)(weight, bias)
-        if keep_dense:
-            layer.keep_dense(HEAD_DENSE_ABOVE_ROWS if head else DENSE_ABOVE_ROWS)
-        return layer
+        above = (HEAD_DENSE_ABOVE_ROWS if head else DENSE_ABOVE_ROWS) if keep_dense else None
+        return (QuantizedLinear.int8 if head else make)(weight, bias, above)
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
