@@ -106,6 +106,8 @@ class LlamaCppServer:
 def tokenflow_config(args: argparse.Namespace) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     config["engine"]["scheduler"]["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens:
+        config["engine"]["scheduler"]["max_num_batched_tokens"] = args.max_num_batched_tokens
     return config
 
 
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="tokenflow's max_model_len and each llama.cpp slot's context")
     parser.add_argument("--slots", type=int, default=16, help="llama.cpp's parallel slots")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokenflow's step budget (default: configs/local.yaml's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")
