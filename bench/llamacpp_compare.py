@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import yaml  # noqa: E402
 from bench.datasets import random_requests  # noqa: E402
 from bench.serve import BenchmarkResult, http_send_fn, run_benchmark  # noqa: E402
 from bench.serve_overhead import Server as TokenflowServer  # noqa: E402
+from bench.serve_overhead import wait_until_200  # noqa: E402
 from tokenflow.net import free_port  # noqa: E402
 from tokenflow.replica.loading.model_source import SMOLLM2_MODEL_NAME  # noqa: E402
 from tokenflow.replica.loading.resolve import packaged_model_file  # noqa: E402
@@ -79,18 +79,8 @@ class LlamaCppServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited; see {self._log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"llama.cpp's server not ready in {timeout_s} s")
+        wait_until_200(f"{self.url}/health", self.proc, "llama.cpp's server", self._log.name,
+                       timeout_s, poll_s=0.5)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -145,6 +145,23 @@ def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
+def wait_until_200(url: str, proc: subprocess.Popen, what: str, log: str,
+                   timeout_s: float, poll_s: float = 1.0) -> None:
+    """Until `url` answers 200; fails at once if `proc` (the server) exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{what} not ready in {timeout_s} s; see {log}")
+
+
 class Server:
     """`tokenflow serve` in a subprocess (its own Ray cluster), stopped with SIGINT."""
 
@@ -163,19 +180,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenflow serve exited ({self.proc.returncode}); see "
-                                   f"{self._log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"tokenflow serve not ready in {timeout_s} s; see {self._log.name}")
+        wait_until_200(f"{self.url}/v1/models", self.proc, "tokenflow serve", self._log.name,
+                       timeout_s)
 
     def python_pids(self) -> list[int]:
         """The Python processes that serve HTTP or run the engine (for py-spy)."""
