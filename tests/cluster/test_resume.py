@@ -98,9 +98,6 @@ def test_a_continuation_is_retried_until_a_live_replica_takes_it() -> None:
 
 
 def test_what_cannot_resume_fails_as_before() -> None:
-    # Before Accepted: nothing was sent, the client gets the 503 (and may retry itself).
-    with pytest.raises(Refused):
-        asyncio.run(_drain(_stream(Replicas([None]), GREEDY)))
     # n > 1, several prompts, structured output: not resumable.
     assert not resumable([[1]], SamplingParams(n=2))
     assert not resumable([[1], [2]], GREEDY)
@@ -117,6 +114,26 @@ def test_what_cannot_resume_fails_as_before() -> None:
         asyncio.run(_drain(_stream(Replicas([Accepted("req", [3]), _delta(10), None],
                                             [Rejected("engine dead", status_code=503)]),
                                    GREEDY)))
+
+
+def test_a_request_whose_replica_dies_before_accepting_it_starts_over_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing reached the client: any request (n > 1 too) is sent again, as it was."""
+    two = SamplingParams(n=2, max_tokens=1)
+    replicas = Replicas([None], [None],  # the second: Serve still routed it to the dead one
+                        [Accepted("req-r1", [3]), [SeqDelta(0, "a", [7], finish_reason="length"),
+                                                   SeqDelta(1, "b", [8], finish_reason="length")],
+                         Finished(3, 2, 0)])
+    events = asyncio.run(_drain(_stream(replicas, two)))
+    assert events[0] == Accepted("req-r1", [3]) and events[-1] == Finished(3, 2, 0)
+    assert [transfer for *_, transfer in replicas.opened] == [None, None, None]
+    # A refusal from the new replica is the caller's answer, as from the first.
+    events = asyncio.run(_drain(_stream(Replicas([None], [Rejected("too long")]), GREEDY)))
+    assert events == [Rejected("too long")]
+    # Not forever: until the deadline, then the 503.
+    monkeypatch.setattr("tokenflow.cluster.resume.RESUME_DEADLINE_S", 0.0)
+    with pytest.raises(Refused):
+        asyncio.run(_drain(_stream(Replicas([None], [None]), GREEDY)))
 
 
 def test_a_replica_that_dies_after_the_last_token_still_gives_usage() -> None:

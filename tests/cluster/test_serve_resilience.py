@@ -4,6 +4,9 @@ saturated, the one context limit as clients see it, and a replica that dies mid-
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +17,14 @@ import openai
 import pytest
 import ray
 
-from tests.cluster.conftest import API_KEY, SERVER_ACTOR_OPTIONS, App, Cluster, deployed
+from tests.cluster.conftest import (
+    API_KEY,
+    SERVER_ACTOR_OPTIONS,
+    App,
+    Cluster,
+    deployed,
+    wait_until_routed,
+)
 from tests.cluster.test_serve import async_client, auth
 
 pytestmark = pytest.mark.slow
@@ -57,6 +67,7 @@ def test_health_and_stats_answer_while_the_engine_is_saturated(main_app: App) ->
 # ------------------------------------------------------------ a small cache, a dead replica
 
 SMALL_APP = "small"
+TWO_REPLICAS_APP = "two"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +78,16 @@ def small_app(cluster: Cluster) -> Iterator[App]:
     yield from deployed(cluster, SMALL_APP, "/small", {
         "engine": engine, "api_key": API_KEY,
         "deployment": {"num_replicas": 1, "ray_actor_options": SERVER_ACTOR_OPTIONS}})
+
+
+@pytest.fixture(scope="module")
+def two_replicas(cluster: Cluster) -> Iterator[App]:
+    """Two replicas with room for requests long enough (a few seconds) to be killed under."""
+    engine = {"model": {"model": MODEL}, "cache": {"block_size": 16, "num_blocks": 128},
+              "scheduler": {"max_model_len": 2048, "max_num_batched_tokens": 1024}}
+    yield from deployed(cluster, TWO_REPLICAS_APP, "/two", {
+        "engine": engine, "api_key": API_KEY,
+        "deployment": {"num_replicas": 2, "ray_actor_options": SERVER_ACTOR_OPTIONS}})
 
 
 def test_the_context_limit_is_the_one_the_cache_allows(small_app: App) -> None:
@@ -81,48 +102,96 @@ def test_the_context_limit_is_the_one_the_cache_allows(small_app: App) -> None:
     assert out.usage.completion_tokens == 8
 
 
-def _replica_actor(app_name: str) -> Any:
-    [entry] = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if f"{app_name}#LLMServer" in a["name"]]
-    return ray.get_actor(entry["name"], namespace=entry["namespace"])
+def _replicas(app: App) -> list[tuple[Any, dict[str, Any]]]:
+    """Each live replica actor of `app` with its `LLMServer.stats()`, asked of that very
+    replica (Serve's replica actor answers `record_routing_stats` with them): a handle would
+    ask the replica its router picks, which is the idle one while the other is busy."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if f"{app.name}#LLMServer#" in entry["name"]:
+            actor = ray.get_actor(entry["name"], namespace=entry["namespace"])
+            with contextlib.suppress(ray.exceptions.RayError):  # dead, or not started yet
+                found.append((actor, ray.get(actor.record_routing_stats.remote(), timeout=30)))
+    return found
 
 
-def test_a_dead_replica_fails_its_request_and_serve_replaces_it(small_app: App) -> None:
+def _busy_replica(app: App) -> tuple[Any, dict[str, Any]]:
+    """The replica actor of `app` that holds a request, and its stats."""
+    deadline = time.monotonic() + 120
+    while True:
+        busy = [(actor, stats) for actor, stats in _replicas(app) if stats["requests"]]
+        if busy:
+            return busy[0]
+        assert time.monotonic() < deadline, "no request started"
+        time.sleep(0.01)
+
+
+def test_a_dead_replica_loses_no_request_that_has_no_answer_yet(two_replicas: App) -> None:
     """In the default mode (haproxy) nothing stands between the client and the replica
-    process, so when it dies the request in flight fails with what HAProxy makes of the lost
-    backend (as the README says): its connection closed without a response, or HAProxy's own
-    500 (Serve's config turns HAProxy's 502 into a 500). Serve then brings up a new replica and
-    the same request succeeds.
-    (The separate-ingress modes answer with an OpenAI 503 instead: test_serving_modes.py.)"""
-    url = small_app.base_url + "/v1/completions"
-    body = {"model": MODEL, "prompt": "once", "max_tokens": 600, "ignore_eos": True}
-    result: dict[str, httpx.Response | httpx.HTTPError] = {}
+    process. When it dies under a request that has no response byte yet, HAProxy sends the
+    request again to another replica (`serving_mode.TUNING`: retry-on empty-response,
+    redispatch): the client sees one slow, whole answer. A stream whose replica dies after its
+    first byte cannot be taken back: it ends without its end."""
+    url = two_replicas.base_url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "once", "max_tokens": 2000, "ignore_eos": True}
+    result: dict[str, Any] = {}
 
     def send() -> None:
         try:
-            result["r"] = httpx.post(url, json=body, headers=auth(small_app), timeout=120)
+            result["r"] = httpx.post(url, json=body, headers=auth(two_replicas), timeout=300)
         except httpx.HTTPError as exc:
             result["r"] = exc
 
     request = threading.Thread(target=send)
     request.start()
-    deadline = time.monotonic() + 60
-    while small_app.server.stats.remote().result()["running"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.02)
-    ray.kill(_replica_actor(SMALL_APP), no_restart=True)
-    request.join(timeout=120)
+    ray.kill(_busy_replica(two_replicas)[0], no_restart=True)
+    request.join(timeout=300)
     outcome = result["r"]
-    assert (isinstance(outcome, httpx.RemoteProtocolError)
-            or (isinstance(outcome, httpx.Response) and outcome.status_code == 500)), outcome
-    # Serve brings a new replica up; the same request then succeeds. Meanwhile HAProxy
-    # answers by itself (its router has no replica to name, or the old one's port is gone).
-    deadline = time.monotonic() + 180
-    while True:
-        retry = httpx.post(url, json={**body, "max_tokens": 4}, headers=auth(small_app),
-                           timeout=60)
-        if retry.status_code == 200:
-            break
-        assert retry.status_code in (500, 503) and time.monotonic() < deadline, retry.text
-        time.sleep(1)
-    assert retry.json()["usage"]["completion_tokens"] == 4
+    assert isinstance(outcome, httpx.Response) and outcome.status_code == 200, outcome
+    assert outcome.json()["usage"]["completion_tokens"] == 2000
+
+    # A stream past its first byte: what it got is all it gets, and it never ends as if whole
+    # (HAProxy closes the connection mid-body).
+    received: list[str] = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth(two_replicas),
+                      timeout=300) as stream:
+        lines = stream.iter_lines()
+        received.append(next(line for line in lines if line.startswith("data: {")))
+        ray.kill(_busy_replica(two_replicas)[0], no_restart=True)
+        with contextlib.suppress(httpx.RemoteProtocolError):
+            received.extend(lines)
+    assert "data: [DONE]" not in received
+    assert 0 < sum(line.startswith("data: {") for line in received) < 2000
+    _wait_until_whole(two_replicas, replicas=2)  # for the tests after this one
+
+
+def _wait_until_whole(app: App, replicas: int) -> None:
+    """Wait until Serve runs `replicas` replicas of `app` again and a request gets through."""
+    from ray import serve
+
+    deadline = time.monotonic() + 300
+    while (serve.status().applications[app.name].deployments["LLMServer"]
+           .replica_states.get("RUNNING", 0) < replicas):
+        assert time.monotonic() < deadline, "Serve did not replace the dead replicas"
+        time.sleep(0.5)
+    wait_until_routed(app)
+
+
+def test_a_dead_engine_process_is_restarted_and_its_streams_go_on(two_replicas: App) -> None:
+    """The engine process dies, the replica lives: it starts a new engine process and continues
+    each open request from the tokens it has streamed. The client sees one whole stream,
+    token-exactly the uninterrupted run's (greedy), and the same replica serves on."""
+    client = openai.OpenAI(base_url=two_replicas.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    args = {"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True}}
+    uninterrupted = client.completions.create(**args).choices[0].text
+    text, actor, before = "", None, None
+    for i, chunk in enumerate(client.completions.create(**args, stream=True)):
+        text += chunk.choices[0].text if chunk.choices else ""
+        if i == 5:
+            actor, before = _busy_replica(two_replicas)
+            os.kill(before["engine_pid"], signal.SIGKILL)  # this machine's: the test's app
+    assert text == uninterrupted
+    after = ray.get(actor.record_routing_stats.remote(), timeout=30)  # the same replica
+    assert after["engine_restarts"] == before["engine_restarts"] + 1
+    assert after["engine_pid"] != before["engine_pid"]

@@ -1,7 +1,7 @@
 """The engine loop in a process of its own (`engine_loop: process`): the same tokens, text and
 behaviour as the loop in a thread (streams, stop strings, n > 1, cancellation, pause and
-drain, bad input), a dead engine process fails its streams at once, and shutdown leaves no
-process behind."""
+drain, bad input), a dead engine process is restarted once and its requests go on (a second
+death soon after fails them), and shutdown leaves no process behind."""
 
 from __future__ import annotations
 
@@ -107,18 +107,56 @@ def test_cancel_frees_blocks_and_pause_drains(process_engine) -> None:
     asyncio.run(run())
 
 
-def test_a_dead_engine_process_fails_its_streams_and_health() -> None:
+def test_a_dead_engine_process_is_restarted_and_its_requests_go_on() -> None:
+    """The replica lives on when its engine process dies: a new process continues every open
+    request from the tokens it had been given (greedy: token-exactly the uninterrupted run),
+    one sent during the restart waits for it, and one that cannot continue (n > 1) fails."""
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=50, temperature=1.0, seed=7, ignore_eos=True)
+    two = SamplingParams(max_tokens=50, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    try:
+        async def run() -> None:
+            [uninterrupted] = await collect(engine, "a long story", greedy)
+            first_pid = engine.engine_pid
+            survivor = engine.generate("a long story", greedy)
+            text, ids = "", []
+            others = [asyncio.ensure_future(collect(engine, "seeded", seeded)),
+                      asyncio.ensure_future(collect(engine, "two choices", two))]
+            async for delta in survivor:
+                text, ids = text + delta.outputs[0].text, ids + delta.outputs[0].token_ids
+                if len(ids) >= 10 and engine.engine_pid == first_pid:
+                    assert len(ids) < 120
+                    os.kill(first_pid, signal.SIGKILL)  # a process this test started
+                    # Sent while the old process is dying or the new one starts.
+                    others.append(asyncio.ensure_future(collect(engine, "late", seeded)))
+            assert (text, ids) == uninterrupted[:2]
+            seeded_out, two_out, late = await asyncio.gather(*others, return_exceptions=True)
+            assert len(seeded_out[0][1]) == 50 and len(late[0][1]) == 50
+            assert isinstance(two_out, EngineDeadError)
+            assert engine.engine_pid != first_pid and engine.num_restarts == 1
+            engine.check_health()
+            await wait_for(engine.is_idle, "the engine to drain")
+            assert request_counts(engine) == (0, 0) and kv_blocks(engine) == (128, 128)
+
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_process_that_dies_again_soon_fails_its_streams_and_health() -> None:
     engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
     try:
         async def run() -> None:
             params = SamplingParams(max_tokens=10_000 // 16, temperature=0.0, ignore_eos=True)
             stream = engine.generate("doomed", params)
-            async for _ in stream:
-                os.kill(engine.engine_pid, signal.SIGKILL)  # a process this test started
-                break
+            pids = []
             with pytest.raises(EngineDeadError):
                 async for _ in stream:
-                    pass
+                    if engine.engine_pid not in pids and not engine.restarting:
+                        pids.append(engine.engine_pid)
+                        os.kill(engine.engine_pid, signal.SIGKILL)  # one this test started
+            assert len(pids) == 2
 
         asyncio.run(run())
         with pytest.raises(EngineDeadError):

@@ -14,8 +14,10 @@ What resumes, and how exactly (the README says it for users):
 - Greedy sampling continues token-exactly: the tokens and text of an uninterrupted run.
 - Sampling with a seed or without: it continues, but does not reproduce the uninterrupted run
   (the resumed request's generator starts afresh at the seam).
-A resumed request that loses its replica too is resumed again, up to `MAX_RESUMES` times,
-each waiting for Serve to route it to a live replica until `RESUME_DEADLINE_S`.
+A request whose replica dies before it was accepted (nothing has reached the client) starts over
+on another replica, whatever it is. A resumed request that loses its replica too is resumed
+again, up to `MAX_RESUMES` times in all, each waiting for Serve to route it to a live replica
+until `RESUME_DEADLINE_S`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tokenflow.cluster.messages import Accepted, Finished, Rejected, StreamEvent
+from tokenflow.scheduler.continuation import continuable, continuation_params
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,8 +44,7 @@ OpenStream = Callable[[list[list[int]], SamplingParams, str, dict[str, Any] | No
 
 def resumable(prompts: list[list[int]], params: SamplingParams) -> bool:
     """Whether a request can go on on another replica (see the module docstring)."""
-    return (len(prompts) == 1 and params.n == 1 and params.structured_outputs is None
-            and params.prompt_logprobs is None)
+    return len(prompts) == 1 and continuable(params)
 
 
 class ResumingStream:
@@ -59,6 +61,7 @@ class ResumingStream:
         self._stream = open_stream(prompts, params, request_id, None)
         self._sent: list[int] = []  # token ids of choice 0 the caller has been given
         self._accepted = self._done = False
+        self._continued = False  # a resume has continued it (after Accepted)
         self._resumes = 0
         self._num_prompt_tokens = len(prompts[0]) if prompts else 0
 
@@ -76,7 +79,7 @@ class ResumingStream:
                     raise self._on_gone(exc) from exc
                 await self._resume(exc)
                 continue
-            if isinstance(event, Accepted) and self._resumes:
+            if isinstance(event, Accepted) and self._accepted:
                 continue  # the caller has its Accepted already
             return self._note(event)
 
@@ -90,33 +93,39 @@ class ResumingStream:
             for delta in event:
                 self._sent.extend(delta.token_ids)
                 self._done = self._done or delta.finish_reason is not None
-        elif isinstance(event, Finished) and self._resumes:
+        elif isinstance(event, Finished) and self._continued:
             # Usage as if nothing happened: the original prompt, every generated token.
             return Finished(self._num_prompt_tokens, len(self._sent),
                             min(event.cached_tokens, self._num_prompt_tokens),
                             event.kv_transfer_params)
-        elif isinstance(event, Rejected) and self._resumes:
+        elif isinstance(event, Rejected) and self._continued:
             # The continuation was refused (its replica's engine died, ...): the request fails
             # as it would have without the resume.
             raise self._on_gone(RuntimeError(event.message))
         return event
 
     def _can_resume(self) -> bool:
-        return (self._resumable and self._accepted and not self._done
-                and self._resumes < MAX_RESUMES)
+        if self._resumes >= MAX_RESUMES:
+            return False
+        # Nothing reached the caller: any request may start over elsewhere.
+        return not self._accepted or (self._resumable and not self._done)
 
     def _continuation(self) -> dict[str, Any]:
         """The resumed request's `kv_transfer_params`: the outputs it arrives with, already
         streamed (no KV to load: the new replica computes it)."""
-        return {"first_token_ids": list(self._sent), "first_token_sent": True}
+        return continuation_params(self._sent)
 
     async def _resume(self, cause: BaseException) -> None:
         """Open the continuation on a live replica: Serve's router drops a dead replica once
         a call to it fails, so retry until one accepts or the deadline passes."""
         self._resumes += 1
-        continuation = self._continuation()
-        logger.warning("request %s lost its replica (%s) after %d tokens; resuming (%d/%d)",
-                       self._request_id, type(cause).__name__, len(self._sent), self._resumes,
+        # Before Accepted the request starts over (with its own KV-transfer parameters, if
+        # any); after, it continues from what was sent.
+        self._continued = self._accepted
+        continuation = self._continuation() if self._accepted else None
+        logger.warning("request %s lost its replica (%s) after %d tokens; %s (%d/%d)",
+                       self._request_id, type(cause).__name__, len(self._sent),
+                       "resuming" if self._accepted else "sending it again", self._resumes,
                        MAX_RESUMES)
         deadline = time.monotonic() + RESUME_DEADLINE_S
         while True:
@@ -130,7 +139,7 @@ class ResumingStream:
                     raise self._on_gone(exc) from exc
                 await asyncio.sleep(_RETRY_S)
                 continue
-            if isinstance(first, Rejected):
+            if isinstance(first, Rejected) and self._continued:
                 raise self._on_gone(RuntimeError(first.message))
             self._stream = _Prepend(first, stream)
             return

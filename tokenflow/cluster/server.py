@@ -317,10 +317,12 @@ class LLMServer:
         self.engine.check_health()
 
     def stats(self) -> dict[str, Any]:
-        """Queue length and KV usage now, and the KV-transfer totals since start."""
+        """Queue length and KV usage now, the KV-transfer totals since start, and the engine
+        process's pid (None when the engine runs in this process) and restarts."""
         state = self.engine.state
         totals = state.totals
-        return {"running": state.num_running, "waiting": state.num_waiting,
+        return {"replica": _replica_id(), "engine_pid": self.engine.engine_pid,
+                "engine_restarts": self.engine.num_restarts, "running": state.num_running, "waiting": state.num_waiting,
                 "requests": self._num_requests, "kv_usage": state.kv_usage,
                 "num_free_blocks": state.num_free_blocks, "num_blocks": state.num_blocks,
                 "waiting_for_remote_kv": state.num_waiting_for_remote_kvs,

@@ -51,7 +51,20 @@ TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           # loaded 2-core machine a fresh proxy took longer (seen: HAProxyManager "killed by
           # ray.kill" in a test run beside two busy processes). Slow is not broken.
           "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
-          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+          # HAProxy (the `haproxy` mode; the others ignore these) sends a request again, to
+          # another replica (`option redispatch`), when its replica refused the connection,
+          # closed it without a response byte (the process died mid-request), or answered
+          # garbage: nothing has reached the client yet, so a completion may run again. Not
+          # on a 503 (a busy replica's answer goes to the client, with its Retry-After), nor
+          # on a timeout (a long generation is not a dead one). Ray's default retries
+          # connection failures only. A conn-failure retry waits 1 s first: 10 of them
+          # outlast HAProxy's health check marking the dead replica DOWN (2 failed checks,
+          # one every 2 s), after which the request goes to a live replica, or, when none
+          # is left, to Serve's fallback proxy, which holds it until Serve has started one.
+          "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
+          "RAY_SERVE_HAPROXY_RETRIES": "10",
+          "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "2s"}
 _ALL_SWITCHES = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
                  "RAY_SERVE_USE_GRPC_BY_DEFAULT")
 

@@ -135,6 +135,12 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "60"
 - name: RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S
   value: "30"
+- name: RAY_SERVE_HAPROXY_RETRY_ON
+  value: "conn-failure empty-response junk-response"
+- name: RAY_SERVE_HAPROXY_RETRIES
+  value: "10"
+- name: RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER
+  value: "2s"
 {{- $router := (.Values.tokenflow.deployment | default dict).request_router | default "power_of_two" }}
 {{- if and (eq $mode "haproxy") (eq $router "prefix_aware") }}
 - name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,18 +27,34 @@ from tokenflow.replica.engine.engine_loop import (
 from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenflow.replica.engine.output_processor import RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams
+from tokenflow.scheduler.continuation import continuable, continuation_params
 
 logger = logging.getLogger(__name__)
 # How often a caller waiting for a pause to apply (or to end) looks again.
 _PAUSE_POLL_S = 0.005
+# An engine process that dies is restarted once; one that dies again within this many seconds
+# of the last restart is not (something kills it: a request, memory), and the replica fails.
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
 class _Stream:
+    """One submitted request as this side knows it: where its deltas go, and what an engine
+    restart needs to continue it (the request, the tokens it has been given so far)."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    prompt: str | None
-    prompt_token_ids: list[int]
+    processed: ProcessedRequest
+    generated: list[int]  # its tokens so far (those it arrived with included)
+    finished: bool = False
+
+    @property
+    def prompt(self) -> str | None:
+        return self.processed.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.processed.prompt_token_ids
 
 
 class AsyncEngine:
@@ -52,9 +70,17 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, engine: Engine | None = None) -> None:
         self._streams: dict[str, _Stream] = {}
+        self._config = config
+        # An engine process that dies is replaced (`_restart`); while that runs, commands
+        # wait in `_backlog`. The lock orders sends against the swap of processes.
+        self._restart_lock = threading.Lock()
+        self._restarting = self._closing = False
+        self._backlog: list[Command] = []
+        self._last_restart = -RESTART_WINDOW_S
+        self.num_restarts = 0
         self._loop: EngineThread | EngineProcess
         if engine is None and config.uses_engine_process:
-            self._loop = EngineProcess(config, self._deliver_step, self._fail_all)
+            self._loop = EngineProcess(config, self._deliver_step, self._engine_process_died)
         else:
             self._loop = EngineThread(engine or Engine(config), self._deliver_step,
                                       self._fail_all)
@@ -106,6 +132,8 @@ class AsyncEngine:
         return self._loop.is_alive()
 
     def check_health(self) -> None:
+        if self._restarting:
+            return  # a new engine process is on its way; its requests wait for it
         if not self.is_running:
             raise EngineDeadError(f"engine loop is not running: {self.error!r}")
         try:
@@ -165,8 +193,8 @@ class AsyncEngine:
         request_id = processed.request_id
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), processed.prompt,
-                         processed.prompt_token_ids)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), processed,
+                         list(processed.sequences[0].output_token_ids))
         # Registered before it is sent: the engine may answer before `_send` returns.
         self._streams[request_id] = stream
         try:
@@ -186,6 +214,11 @@ class AsyncEngine:
         with contextlib.suppress(EngineDeadError):  # a dead engine holds nothing to free
             self._send(AbortRequest(request_id))
 
+    @property
+    def restarting(self) -> bool:
+        """Whether a new engine process is starting in place of one that died."""
+        return self._restarting
+
     # --------------------------------------------------------------------------- pausing
     async def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> None:
         """See `PauseState`. Returns once the step loop has applied it (after the step under
@@ -193,10 +226,17 @@ class AsyncEngine:
         is scheduled (PAUSED_ALL) until `resume`."""
         if mode is PauseState.UNPAUSED:
             raise ValueError("pause needs PAUSED_NEW or PAUSED_ALL; resume() unpauses")
+        await self._restarted()  # a count of applied commands means one engine's
         await self._applied(self._send(Pause(mode)))
 
     async def resume(self) -> None:
+        await self._restarted()
         await self._applied(self._send(Resume()))
+
+    async def _restarted(self) -> None:
+        """Return once no engine restart is under way."""
+        while self._restarting:
+            await asyncio.sleep(_PAUSE_POLL_S * 10)
 
     @property
     def pause_state(self) -> PauseState:
@@ -215,15 +255,94 @@ class AsyncEngine:
         """No step could make progress: nothing runs and nothing waits that may run (paused,
         what the pause holds back does not count), with no command left to apply. Drained,
         once paused with PAUSED_NEW."""
-        return self._loop.is_idle()
+        return not self._restarting and self._loop.is_idle()
 
     def shutdown(self) -> None:
+        with self._restart_lock:
+            self._closing = True
         self._loop.shutdown()
 
     # ------------------------------------------------------------------ the loop's side
     def _send(self, command: Command) -> int:
-        """Send a command to the step loop; returns how many it will have applied after it."""
-        return self._loop.send(command)
+        """Send a command to the step loop; returns how many it will have applied after it
+        (during a restart: held for the new engine process, which gets it first thing)."""
+        with self._restart_lock:
+            if not self._restarting:
+                try:
+                    return self._loop.send(command)
+                except OSError:
+                    # The process died, and its reader has not said so yet: it will, and
+                    # either a restart sends this on or every open request fails with it.
+                    pass
+            if isinstance(command, AbortRequest):  # of a request not resubmitted yet
+                self._backlog = [c for c in self._backlog if not (
+                    isinstance(c, AddRequest) and c.processed.request_id == command.request_id)]
+            else:
+                self._backlog.append(command)
+            return 0
+
+    def _engine_process_died(self, error: BaseException) -> None:
+        """The engine process is gone (the reader thread's call): start a new one, unless the
+        last one was started too recently or the engine is shutting down."""
+        with self._restart_lock:
+            now = time.monotonic()
+            restart = not self._closing and now - self._last_restart > RESTART_WINDOW_S
+            if restart:
+                self._restarting, self._last_restart = True, now
+        if not restart:
+            logger.error("the engine process died again within %.0f s of its restart: "
+                         "failing its requests (%s)", RESTART_WINDOW_S, error)
+            self._fail_all(error)
+            return
+        logger.warning("the engine process died (%s); starting a new one for its %d requests",
+                       error, len(self._streams))
+        threading.Thread(target=self._restart, args=(self._loop,), name="tokenflow-restart",
+                         daemon=True).start()
+
+    def _restart(self, dead: EngineProcess) -> None:
+        """Replace `dead` with a new engine process and send it every open request, each with
+        the tokens it has been given as its first outputs (greedy ones go on token-exactly),
+        then whatever was sent meanwhile. A request that cannot go on from its tokens
+        (`continuable`) fails with the engine's error."""
+        dead.shutdown()
+        try:
+            new = EngineProcess(self._config, self._deliver_step, self._engine_process_died)
+        except Exception as exc:
+            logger.exception("the new engine process did not start")
+            with self._restart_lock:
+                self._restarting, self._backlog = False, []
+            self._fail_all(EngineDeadError(f"the engine process died and did not restart: {exc}"))
+            return
+        with self._restart_lock:
+            if self._closing:
+                new.shutdown()
+                return
+            paused = dead.state().pause_state
+            if paused is not PauseState.UNPAUSED:  # the pause outlives the process
+                new.send(Pause(paused))
+            waiting = {c.processed.request_id for c in self._backlog if isinstance(c, AddRequest)}
+            lost = []
+            for request_id, stream in list(self._streams.items()):
+                if stream.finished or request_id in waiting:
+                    continue
+                if not continuable(stream.processed.params):
+                    lost.append(request_id)
+                    continue
+                processed = stream.processed
+                if stream.generated:
+                    processed = self._inputs.with_kv_transfer(
+                        processed, continuation_params(stream.generated))
+                new.send(AddRequest(processed))
+            for command in self._backlog:
+                new.send(command)
+            self._loop, self._backlog, self._restarting = new, [], False
+            self.num_restarts += 1
+        logger.warning("engine process %s restarted: %d requests go on, %d failed",
+                       new.pid, len(self._streams) - len(lost), len(lost))
+        for request_id in lost:
+            self._deliver(request_id, EngineDeadError(
+                "the engine process died; a request with n > 1, structured output or prompt "
+                "logprobs cannot go on in a new one"))
 
     async def _applied(self, count: int) -> None:
         """Wait until the step loop has applied `count` commands."""
@@ -245,6 +364,9 @@ class AsyncEngine:
                 if self.engine is None:  # the engine process sent the deltas without them
                     output.prompt, output.prompt_token_ids = (stream.prompt,
                                                               stream.prompt_token_ids)
+                    if output.outputs:  # what a restarted engine process continues from
+                        stream.generated.extend(output.outputs[0].token_ids)
+                stream.finished = output.finished
                 by_loop.setdefault(stream.loop, []).append((stream.queue, output))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
