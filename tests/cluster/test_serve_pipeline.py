@@ -4,6 +4,7 @@ deleted app leaves no stage actor and no placement group."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -73,7 +74,26 @@ def test_a_killed_stage_errors_then_serve_replaces_the_replica(pp_app: App) -> N
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
     stages = _stage_actors()
     assert len(stages) == 2
+    # The request in flight fails with a 503 to retry (the replica's fault, not a 500).
+    outcome: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            outcome["r"] = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
+                                                     extra_body={"ignore_eos": True})
+        except openai.APIStatusError as exc:
+            outcome["r"] = exc
+
+    request = threading.Thread(target=send)
+    request.start()
+    deadline = time.monotonic() + 60
+    while pp_app.server.stats.remote().result()["running"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
     ray.kill(stages[1], no_restart=True)
+    request.join(timeout=120)
+    assert isinstance(outcome["r"], openai.APIStatusError), outcome
+    assert outcome["r"].status_code == 503 and outcome["r"].response.headers["retry-after"]
     # The replica's next requests fail fast (503 to retry) rather than hang...
     with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
         for _ in range(5):

@@ -39,6 +39,13 @@ ROUTER_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 4096,
                                   "ray_actor_options": {"num_cpus": 0}}
 
 
+# Serve replaces a replica after three failed health checks in a row. Every 10 s (Serve's
+# default), a replica that cannot serve (a pipeline stage died, its engine died twice) answers
+# 503s for half a minute, and looks idle to the request router meanwhile, which sends it more.
+# The check itself costs nothing (`LLMServer.check_health`), and an engine restarting passes it.
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
 def server_options(config: AppConfig) -> dict[str, Any]:
     """The (decode side's) LLMServer deployment's Serve options."""
     return deployment_options(config.engine, config.deployment)
@@ -48,7 +55,8 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
     """An LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
     pipeline stages, the placement group each replica reserves for them)."""
     options: dict[str, Any] = {"max_ongoing_requests": deployment.max_ongoing_requests,
-                               "ray_actor_options": dict(deployment.ray_actor_options)}
+                               "ray_actor_options": dict(deployment.ray_actor_options),
+                               "health_check_period_s": HEALTH_CHECK_PERIOD_S}
     parallel = engine.parallel
     if parallel.uses_ray:
         # One bundle per stage, the replica's own resources merged into the first, where Serve

@@ -6,7 +6,9 @@ extra process on the token path.
 
 `PrefillClient` owns the decode side's handle to the prefill deployment. A prefill that fails
 (the replica died, refused, or timed out) returns None: the decode replica then computes the
-whole request itself, which gives the same tokens.
+whole request itself, which gives the same tokens. After a failure the decode replica computes
+the prefills of the next few seconds itself without asking, so that a dead prefill replica
+does not hold every request until Serve has replaced it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,11 @@ from tokenflow.scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 300.0
+# After a prefill failed (its replica died: Serve then holds new calls until it has started
+# another, for as long as that takes), the prefills of the next this-many seconds are computed
+# here without asking, and the first to ask again gives up after PROBE_TIMEOUT_S.
+FALLBACK_S = 10.0
+PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -41,10 +50,12 @@ class Prefilled:
 class PrefillClient:
     """Owns the decode replica's handle to the prefill deployment."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self._streaming = handle.options(stream=True)
+        self._clock = clock
         # Prefills that failed or were refused, so this replica computed the whole request.
         self.num_fallbacks = 0
+        self._failed_at: float | None = None  # the last failure, until a prefill succeeds
 
     @staticmethod
     def wants(prompts: list[list[int]], params: SamplingParams,
@@ -58,13 +69,21 @@ class PrefillClient:
                       priority: int) -> Prefilled | None:
         first_only = dataclasses.replace(params, max_tokens=1,
                                          min_tokens=min(params.min_tokens, 1))
+        failed_at = self._failed_at
+        if failed_at is not None and self._clock() - failed_at < FALLBACK_S:
+            self.num_fallbacks += 1
+            return None
         try:
             prefilled = await asyncio.wait_for(
-                self._run(prompt, first_only, request_id, priority), PREFILL_TIMEOUT_S)
+                self._run(prompt, first_only, request_id, priority),
+                PREFILL_TIMEOUT_S if failed_at is None else PROBE_TIMEOUT_S)
+            self._failed_at = None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the decode replica computes everything instead
-            logger.warning("prefill of %s failed (%r); computing it here", request_id, exc)
+            logger.warning("prefill of %s failed (%r); computing it here, and the prefills "
+                           "of the next %.0f s", request_id, exc, FALLBACK_S)
+            self._failed_at = self._clock()
             prefilled = None
         if prefilled is None:
             self.num_fallbacks += 1

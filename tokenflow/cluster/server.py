@@ -261,14 +261,26 @@ class LLMServer:
         tally.add(out)
         if out.finished:
             self._record(out, tally, received_time)
-        return [self._delta(base_index, c, out.error) for c in out.outputs]
+        # A step that failed because the executor broke (a pipeline stage died): the client
+        # gets a 503 to retry, as for a dead engine, not a 500.
+        retry = ENGINE_DEAD_RETRY_S if out.error is not None and not self._can_serve() else None
+        return [self._delta(base_index, c, out.error, retry) for c in out.outputs]
+
+    def _can_serve(self) -> bool:
+        try:
+            self.engine.check_health()
+        except EngineDeadError:
+            return False
+        return True
 
     @staticmethod
-    def _delta(base_index: int, c: CompletionOutput, error: str | None) -> SeqDelta:
+    def _delta(base_index: int, c: CompletionOutput, error: str | None,
+               retry_after_s: int | None = None) -> SeqDelta:
         logprobs = None if c.logprobs is None else [_logprob(lp) for lp in c.logprobs]
+        failed = c.finish_reason == "error"
         return SeqDelta(base_index + c.index, c.text, list(c.token_ids), logprobs,
-                        c.finish_reason, error if c.finish_reason == "error" else None,
-                        stop_reason=c.stop_reason)
+                        c.finish_reason, error if failed else None,
+                        retry_after_s if failed else None, stop_reason=c.stop_reason)
 
     def _first_token(self, out: RequestOutput, received_time: float | None) -> None:
         m = out.metrics
