@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,8 @@ from tests.cluster.conftest import (
     wait_until_routed,
 )
 from tests.cluster.test_serve import async_client, auth
+from tests.conftest import DEFAULT_SERVING_MODE
+from tokenflow.config import ServingMode
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +88,13 @@ def two_replicas(cluster: Cluster) -> Iterator[App]:
     """Two replicas with room for requests long enough (a few seconds) to be killed under."""
     engine = {"model": {"model": MODEL}, "cache": {"block_size": 16, "num_blocks": 128},
               "scheduler": {"max_model_len": 2048, "max_num_batched_tokens": 1024}}
-    yield from deployed(cluster, TWO_REPLICAS_APP, "/two", {
+    apps = deployed(cluster, TWO_REPLICAS_APP, "/two", {
         "engine": engine, "api_key": API_KEY,
         "deployment": {"num_replicas": 2, "ray_actor_options": SERVER_ACTOR_OPTIONS}})
+    app = next(apps)
+    _wait_until_whole(app, replicas=2)
+    yield app
+    next(apps, None)
 
 
 def test_the_context_limit_is_the_one_the_cache_allows(small_app: App) -> None:
@@ -175,6 +182,28 @@ def _wait_until_whole(app: App, replicas: int) -> None:
         assert time.monotonic() < deadline, "Serve did not replace the dead replicas"
         time.sleep(0.5)
     wait_until_routed(app)
+    _wait_until_haproxy_routes_to(app, replicas, deadline)
+
+
+def _wait_until_haproxy_routes_to(app: App, replicas: int, deadline: float) -> None:
+    """In haproxy mode, wait until HAProxy's latest config has `replicas` replicas of `app`,
+    and its process has had time to take it. Serve reloads HAProxy (a new process) as replicas
+    come and go; a request already in an older process routes by that process's list of
+    replicas, with no health checks, so one that loses its replica there can be retried only
+    on the replicas that list has (README, "What a death costs a client, by mode")."""
+    base = os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE")
+    if DEFAULT_SERVING_MODE is not ServingMode.HAPROXY or not base:
+        return
+    server = f"server SERVE_REPLICA_{app.name}-LLMServer-"
+    while True:
+        configs = sorted(Path(base).glob("**/*.cfg"), key=lambda f: f.stat().st_mtime)
+        text = configs[-1].read_text() if configs else ""
+        if len({line.split()[1] for line in text.splitlines()
+                if line.strip().startswith(server)}) >= replicas:
+            break
+        assert time.monotonic() < deadline, f"HAProxy has not got {replicas} replicas of {app.name}"
+        time.sleep(0.5)
+    time.sleep(2)  # Serve starts the new HAProxy process after writing its config
 
 
 def test_a_dead_engine_process_is_restarted_and_its_streams_go_on(two_replicas: App) -> None:

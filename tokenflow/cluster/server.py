@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +44,13 @@ logger = logging.getLogger(__name__)
 ENGINE_DEAD_RETRY_S = 5
 # A replica at its request bound frees a slot as soon as any request ends.
 OVERLOADED_RETRY_S = 1
+# A Serve replica whose engine cannot serve any more (a pipeline stage died; its engine process
+# died again right after a restart) ends its process this long after it finds out: time for the
+# error events of the requests it held to reach their clients. Answering 503s until Serve's
+# health checks replace it would take seconds, and a replica that fails fast looks idle to the
+# request router, which sends it more; a request that reaches a dead process instead goes to
+# another replica (HAProxy's retry, the ingress's resend), as for any replica that died.
+LEAVE_AFTER_S = 0.5
 
 
 
@@ -100,6 +108,7 @@ class LLMServer:
         except RuntimeError:
             loop = None
         self._poller = loop.create_task(self._poll_stats(metrics_interval_s)) if loop else None
+        self._leaving = False
 
     # ------------------------------------------------------------------------ generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -113,6 +122,8 @@ class LLMServer:
         try:
             self.engine.check_health()
         except EngineDeadError as exc:
+            if self._leave(exc):
+                await asyncio.Event().wait()  # the process ends under this request
             yield _engine_dead(exc)
             return
         try:
@@ -326,7 +337,24 @@ class LLMServer:
     # ------------------------------------------------------------------- health and load
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes it replace the replica."""
-        self.engine.check_health()
+        try:
+            self.engine.check_health()
+        except EngineDeadError as exc:
+            self._leave(exc)
+            raise
+
+    def _leave(self, exc: EngineDeadError) -> bool:
+        """End this Serve replica's process `LEAVE_AFTER_S` from now (once); False outside
+        Serve (a test's LLMServer), which answers 503s instead."""
+        if _replica_id() is None:
+            return False
+        if not self._leaving:
+            self._leaving = True
+            logger.error("this replica cannot serve (%s): ending its process in %.1f s so "
+                         "that its requests go to another replica", exc, LEAVE_AFTER_S)
+            # A timer thread: Serve may call check_health off the event loop.
+            threading.Timer(LEAVE_AFTER_S, os._exit, args=(1,)).start()
+        return True
 
     def stats(self) -> dict[str, Any]:
         """Queue length and KV usage now, the KV-transfer totals since start, and the engine
