@@ -65,6 +65,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from bench.serve_overhead import wait_until_200  # noqa: E402
+
 MODES = ("haproxy", "proxy", "proxy_ingress", "proxy_ingress_grpc")
 SCENARIOS = ("replicas", "pp2", "pd")
 # What each scenario kills; `conns` only where HAProxy is in the path.
@@ -632,21 +634,6 @@ def app_args(scenario: str, mode: str, model: str, replicas: int) -> dict[str, A
     return args
 
 
-def wait_until_routed(base_url: str, timeout_s: float = 180) -> None:
-    """`serve.run` returns when the app is RUNNING; HAProxy learns its routes a moment later."""
-    deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        try:
-            r = httpx.get(f"{base_url}/health", timeout=10)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:200]!r}"
-        except httpx.HTTPError as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} not routed after {timeout_s} s: {last}")
-
-
 def deploy(scenario: str, mode: str, args: argparse.Namespace, base_url: str,
            env: dict[str, str]) -> AppUnderTest:
     from ray import serve
@@ -656,7 +643,8 @@ def deploy(scenario: str, mode: str, args: argparse.Namespace, base_url: str,
     name = f"chaos-{scenario}"
     serve.run(build_app(app_args(scenario, mode, args.model, args.replicas)), name=name,
               route_prefix="/")
-    wait_until_routed(base_url)
+    # `serve.run` returns when the app is RUNNING; HAProxy learns its routes a moment later.
+    wait_until_200(f"{base_url}/health", None, base_url, "the Serve logs", 180, poll_s=0.5)
     replicas = {"LLMServer": args.replicas}
     if scenario == "pd":
         replicas["PrefillServer"] = 1

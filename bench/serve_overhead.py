@@ -145,12 +145,12 @@ def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
-def wait_until_200(url: str, proc: subprocess.Popen, what: str, log: str,
+def wait_until_200(url: str, proc: subprocess.Popen | None, what: str, log: str,
                    timeout_s: float, poll_s: float = 1.0) -> None:
-    """Until `url` answers 200; fails at once if `proc` (the server) exits."""
+    """Until `url` answers 200; fails at once if `proc` (the server, if it is one) exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
