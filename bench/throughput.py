@@ -104,7 +104,8 @@ class ForwardTimer:
 def run_tokenflow(model_dir: Path, trace, args) -> dict:
     llm = LLM(str(model_dir), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              kv_cache_memory_bytes=args.kv_bytes, device=args.device, dtype=args.dtype)
+              kv_cache_memory_bytes=args.kv_bytes, device=args.device, dtype=args.dtype,
+              compile=args.compile)
     timer = ForwardTimer(llm)
     prompts = [p for p, _ in trace]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in trace]
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", help="the engine's dtype (auto: float32 here)")
     p.add_argument("--vllm", action="store_true", help="also run vLLM's offline engine")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model's step (engine.model.compile)")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)

@@ -1,7 +1,7 @@
 """Imports point down: a package never imports one above it, and no modules import each other
 in a cycle. The layers, bottom to top (docs/ARCHITECTURE.md, "Packages"):
 
-    net, config  <  kv  <  scheduler  <  replica  <  cluster  <  ops  <  cli
+    net, config, local_cache  <  kv  <  scheduler  <  replica  <  cluster  <  ops  <  cli
 
 Every import counts, at module level or inside a function, and under TYPE_CHECKING too: a
 lazy import is still a dependency a reader must know about.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "tokenflow"
-LAYERS = [("net", "config"), ("kv",), ("scheduler",), ("replica",), ("cluster",), ("ops",),
+LAYERS = [("net", "config", "local_cache"), ("kv",), ("scheduler",), ("replica",), ("cluster",), ("ops",),
           ("cli",)]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 

@@ -70,6 +70,10 @@ class ModelConfig(_Frozen):
     # are stored as, on CPU (a GGUF file of 4-bit blocks: int4; of 8-bit ones: int8), none
     # otherwise (float checkpoints, the GPU).
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # Compile each stage's layers with torch.compile (inductor) at startup: one graph for a
+    # single token, one for each range of batch sizes the quantized layers switch kernels at
+    # (replica/worker/compile.py). Off: eager PyTorch, as the tests run.
+    compile: bool = False
 
     @property
     def name(self) -> str:

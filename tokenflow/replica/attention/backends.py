@@ -8,13 +8,18 @@ the request's whole context through its row of `block_table`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tokenflow.replica.attention import cpu_kernel
+from tokenflow.replica.attention.cpu_kernel import PagedDecodeKernel
 
 IntArray = np.ndarray | Sequence[int]
 # K+V bytes gathered per decode SDPA call: small enough to be still in cache when SDPA reads it
@@ -59,6 +64,9 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor  # [num_decodes] int64 token index of each decode
     decode_block_ids: torch.Tensor  # [num_decodes * decode_blocks] int64, row-major
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, decode_blocks * block_size] additive
+    # The decodes' own block table rows and context lengths (the CPU kernel reads in place).
+    decode_block_table: torch.Tensor  # [num_decodes, decode_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32
     decodes_lead: bool  # the decodes are exactly tokens [0, num_decodes) of the batch
     prefills: list[PrefillSpan]
     window: int | None = None  # keys a query sees, itself included; None = all before it
@@ -90,6 +98,7 @@ class AttentionMetadata:
         qlens = np.diff(qsl)
         dec = np.flatnonzero(qlens == 1)
         ids, mask = _decode_gather(table[dec], seq[dec], block_size, window)
+        dec_table = ids.reshape(len(dec), -1) if len(dec) else np.zeros((0, 1), np.int64)
 
         def put(a: np.ndarray, dt: np.dtype | type) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device)
@@ -108,6 +117,8 @@ class AttentionMetadata:
             decode_token_idx=put(qsl[dec], np.int64),
             decode_block_ids=put(ids, np.int64),
             decode_mask=put(mask, np.float32).to(dtype),
+            decode_block_table=put(dec_table, np.int32),
+            decode_seq_lens=put(seq[dec], np.int32),
             decodes_lead=bool(np.array_equal(qsl[dec], np.arange(len(dec)))),
             prefills=[
                 _prefill_span(int(qsl[r]), int(qlens[r]), int(seq[r]), table[r], block_size,
@@ -305,6 +316,36 @@ class TorchAttentionBackend:
         return ws[:numel]
 
 
+class CpuAttentionBackend(TorchAttentionBackend):
+    """The CPU's backend: decodes read the paged cache in place through the C kernel
+    (`cpu_kernel.py`: one call per layer for all of a step's decodes, no gather copy, no
+    mask); prompts and chunks go through SDPA as in the torch backend. Owns the kernel."""
+
+    def __init__(self, kernel: PagedDecodeKernel) -> None:
+        super().__init__()
+        self._kernel = kernel
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if not meta.num_decodes or not self._kernel.supports(q, k, v, kv_cache):
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # Writes the step's K/V, then attends the decodes.
+        if not self._kernel(q, k, v, kv_cache, meta, scale, out):
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        for span in meta.prefills:
+            s = slice(span.token_start, span.token_end)
+            out[s] = self._prefill(q[s], k[s], v[s], kv_cache, span, scale)
+        return out
+
+
 class FlashAttentionBackend:
     """flash-attn's varlen kernel reading the paged cache through the block table (CUDA only).
 
@@ -346,11 +387,69 @@ class FlashAttentionBackend:
         )
 
 
+@dataclass
+class StepAttention:
+    """What the attention of every layer reads during one forward: the step's metadata, the
+    stage's KV caches (one per layer) and the backend. The model's layers name only their
+    layer index, so a compiled step's graph holds neither the caches nor the metadata (which
+    changes every step) and needs no recompile for them."""
+
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+
+
+_STEP: StepAttention | None = None
+
+
+@contextmanager
+def attention_step(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                   backend: AttentionBackend) -> Iterator[None]:
+    """Makes (meta, kv_caches, backend) what `attend` uses for the forward inside."""
+    global _STEP
+    outer, _STEP = _STEP, StepAttention(meta, kv_caches, backend)
+    try:
+        yield
+    finally:
+        _STEP = outer
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, window: int,
+           scale: float) -> torch.Tensor:
+    """Layer `layer`'s attention in the current step (`attention_step`): write its new K/V,
+    attend. `window` 0: none. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    step = _STEP
+    if step is None:
+        raise RuntimeError("attend() runs inside attention_step(...): the model's forward")
+    meta = step.meta.for_window(window or None)
+    return step.backend.forward(q, k, v, step.kv_caches[layer], meta, scale)
+
+
+@torch.library.custom_op("tokenflow::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, window: int,
+                 scale: float) -> torch.Tensor:
+    """`attend` as one opaque op for `torch.compile`: the graph around it is fused, the paged
+    attention runs as it does eagerly. (The KV cache it writes is not a graph input, so it
+    mutates none of them.)"""
+    return attend(q, k, v, layer, window, scale).contiguous()
+
+
+@attention_op.register_fake
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    window: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
 def select_backend(device: torch.device | str) -> AttentionBackend:
-    """flash-attn on CUDA when it is installed; the torch backend otherwise."""
+    """flash-attn on CUDA when it is installed; on the CPU, the C kernel for decodes where it
+    builds; the torch backend otherwise, or wherever `TOKENFLOW_ATTENTION_BACKEND=torch` asks
+    for it (the benchmarks' comparison)."""
+    if os.environ.get("TOKENFLOW_ATTENTION_BACKEND") == "torch":
+        return TorchAttentionBackend()
     if torch.device(device).type == "cuda":
         try:
             return FlashAttentionBackend()
         except ImportError:
-            pass
-    return TorchAttentionBackend()
+            return TorchAttentionBackend()
+    kernel = cpu_kernel.load()
+    return TorchAttentionBackend() if kernel is None else CpuAttentionBackend(kernel)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenflow.replica.attention.backends import AttentionBackend, AttentionMetadata
+from tokenflow.replica.attention.backends import attend, attention_op
 from tokenflow.replica.models.config import ModelArchConfig, RopeScaling
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, head_dim / 2]
@@ -98,13 +98,14 @@ class GatedMLP(nn.Module):
 class Attention(nn.Module):
     """Self-attention of one layer: owns the fused qkv and o projections and Qwen3's q/k norms.
 
-    The KV cache belongs to the caller and the kernel to the shared backend.
+    The KV cache, the step's metadata and the kernel are the step's (`attention_step`): the
+    layer names its index in the stage.
     """
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, arch: ModelArchConfig, layer: int, sliding_window: int | None = None
+                 ) -> None:
         super().__init__()
-        self.sliding_window = sliding_window
+        self.layer, self.window = layer, sliding_window or 0
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim, self.scale = arch.head_dim, arch.head_dim**-0.5
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -112,11 +113,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.backend = backend
 
-    def forward(
-        self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         # [T, (H + 2 KVH) * D] -> [T, H + 2 KVH, D]: q heads, then k heads, then v heads
         qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
@@ -127,6 +125,7 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm.normalize(qkv[:, :heads]), rope)
             k = apply_rope(self.k_norm.normalize(qkv[:, heads : heads + kv_heads]), rope)
-        meta = meta.for_window(self.sliding_window)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        # Compiled, attention is one opaque op; eager, a plain call (the op's dispatch costs).
+        attn = attention_op if torch.compiler.is_compiling() else attend
+        out = attn(q, k, v, self.layer, self.window, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))  # [T, H * D] in

@@ -7,6 +7,8 @@ assembles from q/k/v and gate/up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from tokenflow.replica.attention.backends import (
     AttentionBackend,
     AttentionMetadata,
     TorchAttentionBackend,
+    attention_step,
 )
 from tokenflow.replica.models.config import ModelArchConfig
 from tokenflow.replica.models.layers import Attention, GatedMLP, RMSNorm, Rope, RotaryEmbedding
@@ -23,10 +26,11 @@ from tokenflow.replica.models.layers import Attention, GatedMLP, RMSNorm, Rope, 
 class DecoderLayer(nn.Module):
     """One transformer block: owns its attention, its MLP and the two norms before them."""
 
-    def __init__(self, arch: ModelArchConfig, backend: AttentionBackend, layer: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer: int, index: int) -> None:
+        """`layer`: its number in the model; `index`: in this stage (its KV cache's)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, arch.sliding_window(layer))
+        self.self_attn = Attention(arch, index, arch.sliding_window(layer))
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
 
@@ -35,12 +39,10 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         rope: Rope,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) -> (hidden, residual); the residual add is fused into the norms."""
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, meta)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -66,11 +68,12 @@ class CausalLM(nn.Module):
             raise ValueError(f"layer_range {layer_range} is not within [0, {arch.num_layers}]")
         self.arch, self.layer_start, self.layer_end = arch, start, end
         self.is_first_stage, self.is_last_stage = start == 0, end == arch.num_layers
-        backend = backend or TorchAttentionBackend()
+        self.backend = backend or TorchAttentionBackend()
         self.embed_tokens = (
             nn.Embedding(arch.vocab_size, arch.hidden_size) if self.is_first_stage else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, i) for i in range(start, end))
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, layer, layer - start) for layer in range(start, end))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last_stage else None
         own_head = self.is_last_stage and not (arch.tie_word_embeddings and self.is_first_stage)
         self.lm_head = (
@@ -79,6 +82,12 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
+        self._run_layers = self.run_layers  # or its compiled form (`use_compiled`)
+
+    def use_compiled(self, run_layers: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+                     ) -> None:
+        """Run the layers through `run_layers`, the compiled form of `self.run_layers`."""
+        self._run_layers = run_layers
 
     def forward(
         self,
@@ -90,13 +99,26 @@ class CausalLM(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Non-last stages return (hidden, residual); the last returns (normed hidden, None)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        with attention_step(attn_meta, kv_caches, self.backend):
+            return self._run_layers(input_ids, positions, hidden, residual)
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's layers over one step (inside `attention_step`): what `compile` compiles."""
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         elif hidden is None:
             raise ValueError("a stage after the first needs the previous stage's hidden states")
         rope = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, attn_meta)
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, rope)
         if self.norm is None:
             return hidden, residual
         return self.norm(hidden, residual)[0], None

@@ -130,10 +130,7 @@ class QuantizedLinear(nn.Module):
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
         """bfloat16 [M, K] -> [M, N] through the packed kernel."""
-        if self.method == "int8":
-            return torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight, INT4_GROUP,
-                                                          self.scales)
+        out = packed_mm(flat, self.weight, self.scales, self.method == "int4")
         return out if out.shape[1] == self.out_features else out[:, :self.out_features]
 
     def dequantized(self) -> torch.Tensor:
@@ -143,6 +140,14 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.method}, in_features={self.in_features}, out={self.out_features}"
+
+
+def packed_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, int4: bool
+              ) -> torch.Tensor:
+    """bfloat16 x [M, K] times a packed int8 or int4 weight -> [M, N (padded for int4)]."""
+    if int4:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales)
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
 
 
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

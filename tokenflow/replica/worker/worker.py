@@ -13,6 +13,7 @@ from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
 from tokenflow.net import free_port
 from tokenflow.replica.loading.loader import load_model, resolve_dtype, resolve_quantization
 from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.worker.compile import compile_step
 from tokenflow.replica.worker.drafter import NgramDrafter
 from tokenflow.replica.worker.model_runner import ModelRunner
 from tokenflow.replica.worker.pipeline import StagePipe, stage_layer_ranges
@@ -120,6 +121,8 @@ class Worker:
                                   max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed, drafter=drafter,
                                   keep_sampled=self.config.scheduler.async_scheduling)
+        if self.config.model.compile:
+            compile_step(self.model, kv_caches, self.config.scheduler.max_num_batched_tokens)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_caches, self.layer_range)
 

@@ -1,0 +1,83 @@
+"""The CPU's paged decode kernel (attention/paged_decode.c) against the torch backend's gather
+path: decodes read in place through their block table rows, GQA groups, sliding windows,
+mixed with prompts; and what happens without a C compiler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenflow.replica.attention import cpu_kernel
+from tokenflow.replica.attention.backends import (
+    AttentionMetadata,
+    CpuAttentionBackend,
+    TorchAttentionBackend,
+    select_backend,
+)
+
+BLOCK_SIZE = 16
+
+
+def _step(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int, dim: int,
+          window: int | None, seed: int):
+    """A random cache with scattered blocks and one step's q/k/v and metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 3
+    order = list(range(num_blocks))
+    random.Random(seed).shuffle(order)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
+    table, slots, qsl = [], [], [0]
+    for n, q in zip(seq_lens, query_lens, strict=True):
+        own = [order.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        table.append(own + [-1] * (8 - len(own)))  # -1: padding past the request's blocks
+        slots += [own[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n - q, n)]
+        qsl.append(qsl[-1] + q)
+    meta = AttentionMetadata.build(slot_mapping=slots, block_table=table, query_start_loc=qsl,
+                                   seq_lens=seq_lens, block_size=BLOCK_SIZE, window=window)
+    qkv = torch.randn(qsl[-1], heads + 2 * kv_heads, dim, generator=gen)  # strided q, k, v
+    q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
+    return cache, q, k, v, meta
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernel.PagedDecodeKernel:
+    loaded = cpu_kernel.load()
+    assert loaded is not None, "the paged decode kernel did not build (is a C compiler there?)"
+    return loaded
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("shape", ["decodes", "mixed"])
+def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, shape) -> None:
+    if shape == "decodes":
+        seq_lens, query_lens = [1, 17, 100, 33, 64, 120], [1] * 6
+    else:  # a prompt first, a chunk after a prefix, decodes between
+        seq_lens, query_lens = [40, 5, 90, 70, 2], [40, 1, 1, 30, 1]
+    cache, q, k, v, meta = _step(seq_lens, query_lens, heads, kv_heads, dim, window, seed=1)
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, expected_cache, meta, dim**-0.5)
+    out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(cache, expected_cache)  # the step's K/V written the same
+
+
+def test_kernel_declines_groups_beyond_its_buffers(kernel) -> None:
+    cache, q, k, v, meta = _step([10, 20], [1, 1], 32, 1, 8, None, seed=2)
+    out, before = torch.full(q.shape, 7.0), cache.clone()
+    assert not kernel(q, k, v, cache, meta, 1.0, out)
+    assert torch.all(out == 7.0) and torch.equal(cache, before)
+    expected = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 1.0)
+    torch.testing.assert_close(CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, 1.0),
+                               expected)
+
+
+def test_the_cpu_gets_the_kernel_and_no_compiler_gets_the_gather_path(
+        kernel, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(select_backend("cpu"), CpuAttentionBackend)
+    monkeypatch.setenv("TOKENFLOW_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernel.load.__wrapped__() is None
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())

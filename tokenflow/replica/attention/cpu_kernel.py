@@ -1,0 +1,120 @@
+"""The CPU's paged decode attention kernel (paged_decode.c): built once per machine with the C
+compiler, cached, and called through ctypes.
+
+The shared library is cached under `$TOKENFLOW_CACHE_DIR` (default `~/.cache/tokenflow`),
+named by the hash of its source and flags, so an edited kernel is rebuilt and a restart finds
+the built one. `make install` builds it (`python -m tokenflow.replica.attention.cpu_kernel`);
+a process that finds it missing builds it on first use (~1 s). No compiler: `load()` returns
+None and the torch backend's gather path attends instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenflow.local_cache import cache_dir
+
+if TYPE_CHECKING:  # backends.py imports this module
+    from tokenflow.replica.attention.backends import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+# -march=native: the cache is per machine. -fopenmp: torch (loaded first) provides libgomp.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_i64, _f32 = ctypes.c_int64, ctypes.c_float
+_ptr = ctypes.c_void_p
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"paged_decode-{digest}.so"
+
+
+def build() -> Path:
+    """Compile the kernel into the cache (atomically: concurrent builders do not collide)."""
+    target = library_path()
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build paged_decode.c")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        scratch = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch), "-lm"],
+                       check=True, capture_output=True, text=True)
+        scratch.replace(target)
+    finally:
+        scratch.unlink(missing_ok=True)
+    return target
+
+
+@cache
+def load() -> PagedDecodeKernel | None:
+    """The kernel of this process, built if needed; None where it cannot be built."""
+    try:
+        return PagedDecodeKernel(ctypes.CDLL(str(build())))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("paged decode kernel unavailable (%s); attention gathers instead", detail)
+        return None
+
+
+class PagedDecodeKernel:
+    """Owns the loaded library; `__call__` attends a step's decodes into `out`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.paged_decode_f32
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+                       _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr]
+        self._fn = fn
+
+    @staticmethod
+    def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
+                 ) -> bool:
+        return (q.device.type == "cpu" and kv_cache.is_contiguous()
+                and q.dtype == k.dtype == v.dtype == kv_cache.dtype == torch.float32
+                and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                 out: torch.Tensor) -> bool:
+        """Write the step's k/v [T, KVH, D] to their slots (`meta.slot_mapping`) of kv_cache
+        [2, blocks, block_size, KVH, D], then attend q [T, H, D] of the decodes (float32,
+        last dims contiguous) through `meta.decode_block_table`, `decode_seq_lens` and
+        `decode_token_idx`, keys limited to `meta.window`; out [T, H, D] contiguous: its rows
+        of decodes are written. False: the shapes are beyond the kernel (nothing written, not
+        even k/v)."""
+        slots, block_table, token_idx = (meta.slot_mapping, meta.decode_block_table,
+                                         meta.decode_token_idx)
+        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        half = num_blocks * block_size * kv_heads * head_dim * 4  # bytes of K before V
+        cache = kv_cache.data_ptr()
+        rc = self._fn(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                      v.stride(1), slots.data_ptr(),
+                      slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), cache,
+                      cache + half, block_table.data_ptr(), block_table.stride(0),
+                      meta.decode_seq_lens.data_ptr(), token_idx.data_ptr(),
+                      token_idx.shape[0], q.shape[1], kv_heads, head_dim, block_size,
+                      meta.window or 0, scale,
+                      out.data_ptr())
+        return rc == 0
+
+
+if __name__ == "__main__":
+    print(build())

@@ -1,0 +1,67 @@
+"""The compiled step: a stage's layers through `torch.compile` (inductor), compiled at startup.
+
+What is compiled is `CausalLM.run_layers`, everything between the embedding and the final norm:
+the norms, rope, the residual adds, the activation and the dtype casts around the quantized
+matmuls fuse into a few C++ loops per layer, and the per-op Python dispatch (~450 ops a step)
+goes. Attention stays an opaque op (`tokenflow::attention`): the paged cache and the step's
+metadata never enter the graph, so a new step needs no recompile.
+
+The graphs: one for a single token (dynamo specializes size 1), then dynamic shapes over the
+ranges the quantized layers switch kernels at (2-8 rows through the packed kernels, 9 and more
+through their dense copies): no padding to buckets, every batch size runs its own rows. All
+are compiled before the first request (`compile_step`), and inductor's cache lives under
+`tokenflow.local_cache` so a restart loads them instead of compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from tokenflow.local_cache import cache_dir
+from tokenflow.replica.attention.backends import AttentionMetadata
+from tokenflow.replica.models.llama import CausalLM
+from tokenflow.replica.models.quantized import DENSE_ABOVE_ROWS
+
+log = logging.getLogger(__name__)
+
+# Token counts whose graphs differ: one token; a few rows (packed kernels); more (dense).
+WARM_UP_TOKENS = (1, 2, DENSE_ABOVE_ROWS + 1)
+
+
+def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens: int
+                 ) -> float:
+    """Compile `model`'s layers and run each graph once on dummy tokens (written to the first
+    cache slots, which no request has yet). Returns the seconds it took."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # Dynamo counts graphs per code object, across models: room for several in one process
+    # (tests; a replica restarted in place) at a few graphs each.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    start = time.perf_counter()
+    compiled = torch.compile(model.run_layers, fullgraph=True)
+    model.use_compiled(compiled)
+    block_size, device = kv_caches[0].shape[2], kv_caches[0].device
+    dtype = kv_caches[0].dtype
+    for tokens in sorted({min(t, max_num_tokens) for t in WARM_UP_TOKENS}):
+        meta = AttentionMetadata.build(
+            slot_mapping=range(tokens), block_table=[[t // block_size] for t in range(tokens)],
+            query_start_loc=range(tokens + 1), seq_lens=[t % block_size + 1
+                                                         for t in range(tokens)],
+            block_size=block_size, device=device, dtype=dtype)
+        # Inside inference mode, as the runner's steps: dynamo guards on the tensors' kind.
+        with torch.inference_mode():
+            # Distinct tensors for distinct inputs: dynamo guards on aliasing too.
+            ids, positions = (torch.zeros(tokens, dtype=torch.long, device=device)
+                              for _ in range(2))
+            hidden, residual = (None, None) if model.is_first_stage else (
+                torch.zeros(tokens, model.arch.hidden_size, dtype=dtype, device=device)
+                for _ in range(2))
+            model(ids, positions, kv_caches, meta, hidden, residual)
+    seconds = time.perf_counter() - start
+    log.info("compiled layers %d-%d for %s tokens in %.1f s", model.layer_start,
+             model.layer_end, WARM_UP_TOKENS, seconds)
+    return seconds
+
