@@ -11,6 +11,7 @@ Checks, each in a subprocess with its own time limit (`--budget-s` in all, 600 b
   stages talking NCCL, against one stage.
 - `throughput`: bench/throughput.py's standard trace on the GPU, and vLLM's offline engine on
   the same checkpoint and trace when `import vllm` works there.
+- `compiled-bf16`: the first equivalence check with the step compiled (`engine.model.compile`).
 Without a CUDA GPU it prints one SKIP line and exits 0; `--device cpu` runs every check on the
 CPU in float32 instead (a dry run of this script, where token-exactness is expected).
 
@@ -69,7 +70,7 @@ def check_equivalence(args: argparse.Namespace) -> str:
                                 min_new_tokens=NEW_TOKENS)[:, PROMPT_LEN:].tolist()
         hf_logits = hf(ids).logits[:, -1].float()
     llm = LLM(args.model_dir, device=args.device, dtype=args.dtype, max_model_len=256,
-              pipeline_parallel_size=args.pp,
+              pipeline_parallel_size=args.pp, compile=args.compile,
               **({"distributed_backend": "nccl"} if args.pp > 1 else {}))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=0)
@@ -130,6 +131,7 @@ def main() -> int:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=float, default=300, help=argparse.SUPPRESS)
     parser.add_argument("--with-vllm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         run_one(args)
@@ -158,6 +160,9 @@ def main() -> int:
         plan.append(("throughput" + ("+vllm" if vllm else ""),
                      ["--one", "throughput", "--dtype", dtypes[0]]
                      + (["--with-vllm"] if vllm else [])))
+        # The compiled step (engine.model.compile) on the same prompts: inductor's GPU code.
+        plan.append((f"compiled-{dtypes[0]}", ["--one", "equivalence", "--dtype", dtypes[0],
+                                                "--compile"]))
         for name, extra in plan:
             left = deadline - time.monotonic()
             if left < 10:
