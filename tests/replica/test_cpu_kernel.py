@@ -5,6 +5,7 @@ mixed with prompts; and what happens without a C compiler."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from tokenflow.replica.attention.backends import (
     AttentionMetadata,
     CpuAttentionBackend,
     TorchAttentionBackend,
+    attend,
+    attention_step,
     select_backend,
 )
 
@@ -81,3 +84,26 @@ def test_the_cpu_gets_the_kernel_and_no_compiler_gets_the_gather_path(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert cpu_kernel.load.__wrapped__() is None
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_each_thread_attends_with_its_own_step() -> None:
+    """Two engines stepping in two threads of one process: each layer's `attend` finds its own
+    thread's metadata and caches, however the threads interleave."""
+    barrier = threading.Barrier(2)
+    results: dict[int, bool] = {}
+
+    def engine(seed: int) -> None:
+        cache, q, k, v, meta = _step([5 + seed, 30], [1, 1], 4, 2, 8, None, seed=seed)
+        expected = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, 0.5)
+        with attention_step(meta, [cache], TorchAttentionBackend()):
+            barrier.wait()  # both threads are inside their steps now
+            out = attend(q, k, v, 0, 0, 0.5)
+            barrier.wait()
+        results[seed] = torch.equal(out, expected)
+
+    threads = [threading.Thread(target=engine, args=(seed,)) for seed in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {3: True, 4: True}

@@ -9,6 +9,7 @@ the request's whole context through its row of `block_table`.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -399,26 +400,28 @@ class StepAttention:
     backend: AttentionBackend
 
 
-_STEP: StepAttention | None = None
+# Per thread: engines in threads of one process (tests, EngineThread) step independently.
+_CURRENT = threading.local()
 
 
 @contextmanager
 def attention_step(meta: AttentionMetadata, kv_caches: list[torch.Tensor],
                    backend: AttentionBackend) -> Iterator[None]:
-    """Makes (meta, kv_caches, backend) what `attend` uses for the forward inside."""
-    global _STEP
-    outer, _STEP = _STEP, StepAttention(meta, kv_caches, backend)
+    """Makes (meta, kv_caches, backend) what `attend` uses, in this thread, for the forward
+    inside."""
+    outer = getattr(_CURRENT, "step", None)
+    _CURRENT.step = StepAttention(meta, kv_caches, backend)
     try:
         yield
     finally:
-        _STEP = outer
+        _CURRENT.step = outer
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, window: int,
            scale: float) -> torch.Tensor:
     """Layer `layer`'s attention in the current step (`attention_step`): write its new K/V,
     attend. `window` 0: none. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-    step = _STEP
+    step: StepAttention | None = getattr(_CURRENT, "step", None)
     if step is None:
         raise RuntimeError("attend() runs inside attention_step(...): the model's forward")
     meta = step.meta.for_window(window or None)
