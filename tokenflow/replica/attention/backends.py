@@ -240,6 +240,12 @@ class TorchAttentionBackend:
         if meta.num_decodes:
             idx = meta.decode_token_idx
             out.index_copy_(0, idx, self._decode(q.index_select(0, idx), kv_cache, meta, scale))
+        return self._attend_prefills(q, k, v, kv_cache, meta, scale, out)
+
+    def _attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                         out: torch.Tensor) -> torch.Tensor:
+        """Each prompt or chunk of the step into its rows of `out`; returns `out`."""
         for span in meta.prefills:
             s = slice(span.token_start, span.token_end)
             out[s] = self._prefill(q[s], k[s], v[s], kv_cache, span, scale)
@@ -341,10 +347,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # Writes the step's K/V, then attends the decodes.
         if not self._kernel(q, k, v, kv_cache, meta, scale, out):
             return super().forward(q, k, v, kv_cache, meta, scale)
-        for span in meta.prefills:
-            s = slice(span.token_start, span.token_end)
-            out[s] = self._prefill(q[s], k[s], v[s], kv_cache, span, scale)
-        return out
+        return self._attend_prefills(q, k, v, kv_cache, meta, scale, out)
 
 
 class FlashAttentionBackend:
