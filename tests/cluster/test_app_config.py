@@ -161,7 +161,7 @@ def _wait_running(app_name: str, timeout_s: float) -> None:
 
 
 def _complete(url: str) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/completions", timeout=30,
+    r = httpx.post(url + "/v1/completions", timeout=STARTUP_TIMEOUT_S,
                    json={"model": "tokenflow-tiny", "prompt": "hello", "max_tokens": 3})
     assert r.status_code == 200, r.text
     return r.json()
@@ -186,7 +186,7 @@ def test_serve_run_with_the_applications_yaml(cluster: Cluster, tmp_path: Path) 
     started = time.monotonic()
     env = {**os.environ, "RAY_ADDRESS": cluster.gcs_address}
     done = subprocess.run([str(BIN / "serve"), "run", str(file), "--non-blocking"], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     try:
         # A deadline, not a duration: under two busy processes a replica took 205 s to start.
@@ -226,13 +226,13 @@ def test_tokenflow_serve_joins_the_cluster_and_stops_on_sigterm(cluster: Cluster
         assert any(re.search(r"loaded tokenflow-tiny in \d+\.\d s", line) for line in lines)
         url = cluster.http_url + "/cli"
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                       timeout=30)
+                       timeout=STARTUP_TIMEOUT_S)
         assert r.status_code == 401  # --api-key applied
         r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                       headers={"Authorization": "Bearer cli-key"}, timeout=30)
+                       headers={"Authorization": "Bearer cli-key"}, timeout=STARTUP_TIMEOUT_S)
         assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=STARTUP_TIMEOUT_S) == 0, proc.stderr.read()
         assert "tokenflow" not in serve.status().applications
     finally:
         if proc.poll() is None:

@@ -139,12 +139,31 @@ def test_the_watch_notices_a_port_that_stops_answering() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    watch = launcher.ClusterWatch(AppConfig(port=listener.getsockname()[1]), started_ray=False)
+    # started_ray: a cluster of our own (with no head processes of ours here to watch)
+    watch = launcher.ClusterWatch(AppConfig(port=listener.getsockname()[1]), started_ray=True)
     closer = threading.Timer(2 * launcher.POLL_S, listener.close)
     closer.start()
     problem = launcher._serve_until_stopped(watch)  # returns, does not hang
     closer.join()
     assert problem is not None and "stopped answering" in problem
+
+
+def test_on_a_joined_cluster_the_watch_ignores_our_configs_port() -> None:
+    """Serve's proxy on a joined cluster listens where the cluster's owner put it: a config
+    port nobody listens on is no reason to stop (it was, once the server had run 3 s)."""
+    import socket
+
+    from tokenflow.config import AppConfig
+    from tokenflow.ops import launcher
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    unused_port = probe.getsockname()[1]
+    probe.close()
+    joined = launcher.ClusterWatch(AppConfig(port=unused_port), started_ray=False)
+    ours = launcher.ClusterWatch(AppConfig(port=unused_port), started_ray=True)
+    assert [joined.problem() for _ in range(launcher.MAX_REFUSALS)] == [None] * 3
+    assert [ours.problem() for _ in range(launcher.MAX_REFUSALS)][-1] is not None
 
 
 class FakeServerHandle:

@@ -1,6 +1,7 @@
 """A pipeline-parallel replica served by Ray Serve: the `openai` client gets the tokens of an
-unsplit engine; a killed stage gives errors, not a hang, and Serve brings the replica back; a
-deleted app leaves no stage actor and no placement group."""
+unsplit engine; a killed stage is rebuilt in place and its requests go on, a second death soon
+after gives errors, not a hang, and Serve brings the replica back; a deleted app leaves no stage
+actor and no placement group."""
 
 from __future__ import annotations
 
@@ -69,32 +70,53 @@ def _stage_actors() -> list[Any]:
             if a["name"].startswith("tokenflow-stage")]
 
 
-def test_a_killed_stage_fails_its_requests_then_serve_replaces_the_replica(pp_app: App
-                                                                          ) -> None:
-    client = _client(pp_app)
-    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
-    stages = _stage_actors()
-    assert len(stages) == 2
-    # The request in flight fails with a 503 to retry (the replica's fault, not a 500).
+def _during_a_long_request(app: App, kill: Any, max_tokens: int = 400) -> Any:
+    """Send one long greedy completion, call `kill()` once it runs, return its outcome (the
+    completion, or the APIStatusError)."""
+    client = _client(app)
     outcome: dict[str, Any] = {}
 
     def send() -> None:
         try:
-            outcome["r"] = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
-                                                     extra_body={"ignore_eos": True})
+            outcome["r"] = client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True})
         except openai.APIStatusError as exc:
             outcome["r"] = exc
 
     request = threading.Thread(target=send)
     request.start()
     deadline = time.monotonic() + 60
-    while pp_app.server.stats.remote().result()["running"] == 0:
+    while app.server.stats.remote().result()["running"] == 0:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.01)
-    ray.kill(stages[1], no_restart=True)
-    request.join(timeout=120)
-    assert isinstance(outcome["r"], openai.APIStatusError), outcome
-    assert outcome["r"].status_code == 503 and outcome["r"].response.headers["retry-after"]
+    time.sleep(0.5)  # into its decodes
+    kill()
+    request.join(timeout=240)
+    assert not request.is_alive(), "the request hangs"
+    return outcome["r"]
+
+
+def test_a_killed_stage_is_rebuilt_and_then_a_second_death_replaces_the_replica(pp_app: App
+                                                                               ) -> None:
+    client = _client(pp_app)
+    expected = client.completions.create(model=MODEL, prompt="hi", max_tokens=400,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    stages = _stage_actors()
+    assert len(stages) == 2
+    # A stage dies: the replica builds both stages again and its request goes on, token-exact.
+    got = _during_a_long_request(pp_app, lambda: ray.kill(stages[1], no_restart=True))
+    assert not isinstance(got, openai.APIStatusError), got
+    assert got.choices[0].text == expected.choices[0].text
+    rebuilt = _stage_actors()
+    assert len(rebuilt) == 2 and not {a._actor_id for a in stages} & {a._actor_id
+                                                                      for a in rebuilt}
+    # Another within a minute (something keeps killing it): the request in flight fails with
+    # a 503 to retry (the replica's fault, not a 500)...
+    outcome = _during_a_long_request(pp_app, lambda: ray.kill(rebuilt[0], no_restart=True))
+    assert isinstance(outcome, openai.APIStatusError), outcome
+    assert outcome.status_code == 503 and outcome.response.headers["retry-after"]
+    stages = rebuilt
     # ...and the replica, which cannot serve any more, ends its process: with no other
     # replica, the next requests fail (a 500, or a connection HAProxy closes: README, "What a
     # death costs a client") or wait (Serve's fallback proxy) until Serve has started another,

@@ -1,6 +1,6 @@
 """Pipeline parallelism on real Ray actors and a real gloo group: PP=2 gives the tokens of PP=1
-and of transformers on every scheduling path, a dead stage fails its steps instead of hanging,
-and nothing is left behind."""
+and of transformers on every scheduling path, a dead stage is rebuilt and its requests go on
+(a second death fails them instead of hanging), and nothing is left behind."""
 
 from __future__ import annotations
 
@@ -124,29 +124,70 @@ def test_pp2_sampling_stops_n_and_aborts_match_pp1(cluster: Cluster, checkpoint)
         two.shutdown()
 
 
-def test_a_dead_stage_fails_its_requests_and_nothing_hangs(cluster: Cluster, checkpoint) -> None:
+def _run_to_the_end(engine, tokens: dict[str, list[int]] | None = None,
+                    deadline_s: float = 180) -> dict:
+    """Step until done; returns the finished outputs by id, adding each delta's tokens to
+    `tokens`."""
+    finished = {}
+    deadline = time.monotonic() + deadline_s
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine hangs on a dead stage"
+        for out in engine.step():
+            if tokens is not None:
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_a_dead_stage_is_rebuilt_once_and_its_requests_go_on(cluster: Cluster,
+                                                           checkpoint) -> None:
+    """Stage 0 dies mid-generation: the executor builds both stages again in the same bundles
+    and every request starts over from its tokens, ending with the tokens it would have had
+    (greedy). A second death within the window fails the requests and nothing hangs."""
+    from tokenflow.replica.worker.ray_executor import StageDiedError
+
     before = _live_actors_and_groups()
     llm = LLM(str(checkpoint), num_blocks=128, **PP2)
     try:
         engine = llm.engine
         executor = engine.executor
         assert _live_actors_and_groups() == (before[0] + 2, before[1] + 1)
-        for i, prompt in enumerate(make_prompts()[:4]):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=150, ignore_eos=True))
-        engine.step()
-        ray.kill(executor._actors[0], no_restart=True)  # stage 0 dies mid-generation
-        finished = {}
-        deadline = time.monotonic() + 120
-        while engine.has_unfinished_requests():
-            assert time.monotonic() < deadline, "the engine hangs on a dead stage"
+        prompts = make_prompts()[:4]
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                                  use_tqdm=False)]
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(6):  # past the prefills, into the decodes
             for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        assert sorted(finished) == ["0", "1", "2", "3"]
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        assert 0 < sum(map(len, tokens.values())) < 4 * 40
+        first_stages = list(executor._actors)
+        ray.kill(first_stages[0], no_restart=True)  # stage 0 dies mid-generation
+        finished = _run_to_the_end(engine, tokens)
+        assert engine.num_worker_restarts == 1
+        assert not set(first_stages) & set(executor._actors)  # new stages
+        assert [tokens[str(i)] for i in range(4)] == expected
+        assert all(out.outputs[0].finish_reason == "length" for out in finished.values())
+        engine.check_health()  # a rebuilt pipeline is healthy
+        engine.check_idle()
+        assert _live_actors_and_groups() == (before[0] + 2, before[1] + 1)
+
+        # Again within the window: the requests fail, and the replica reports unhealthy.
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"again{i}", prompt, SamplingParams(max_tokens=150,
+                                                                   ignore_eos=True))
+        engine.step()
+        ray.kill(executor._actors[1], no_restart=True)
+        finished = _run_to_the_end(engine)
+        assert sorted(finished) == [f"again{i}" for i in range(4)]
         for out in finished.values():
             assert out.outputs[0].finish_reason == "error"
-            assert "pipeline stage 0 of 2 died" in out.error
-        with pytest.raises(RuntimeError, match="pipeline stage 0"):
+            assert "pipeline stage" in out.error and "of 2 died" in out.error
+        assert engine.num_worker_restarts == 1
+        with pytest.raises(StageDiedError, match="pipeline stage"):
             engine.check_health()
     finally:
         llm.shutdown()

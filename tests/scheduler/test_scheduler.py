@@ -423,6 +423,54 @@ def test_resume_after_preemption_gives_identical_tokens(policy):
     assert_no_leaks(scheduler)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_lost_workers_restart_every_request_from_its_tokens(policy):
+    """The workers die mid-run (a pipeline rebuilt): steps in flight are lost, new workers
+    know nothing, and after `restart_all` every request ends with the tokens it would have had,
+    the prefix cache forgets what was lost, and a PAUSED_NEW pause still lets them run."""
+    lengths = [30, 17, 45, 8, 60, 23, 12, 39]
+    priorities = [3, 1, 2, 0, 1, 3, 2, 0]
+    alone = {}
+    for r in create_requests(8, lengths, max_tokens=40, priorities=priorities, prefix=[7] * 16):
+        s = create_scheduler(policy=policy)
+        s.add_request(r)
+        alone.update(run_until_done(s))
+    scheduler = create_scheduler(num_blocks=24, block_size=8, policy=policy,
+                                 max_num_batched_tokens=64)
+    requests = create_requests(8, lengths, max_tokens=40, priorities=priorities,
+                               prefix=[7] * 16)
+    for r in requests[:6]:
+        scheduler.add_request(r)
+    driver = utils.StepDriver(scheduler)
+    got: dict[str, list[int]] = {}
+    for _ in range(12):  # prefills done, some decodes and preemptions
+        for o in driver.step()[1].outputs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert scheduler.running and scheduler.kv.num_free_blocks < scheduler.kv.num_blocks
+    admitted = {r.request_id for r in requests if r.num_cached_tokens >= 0}
+    assert len(admitted) >= 3
+    scheduler.pause(PauseState.PAUSED_NEW)
+    for r in requests[6:]:  # never admitted (nor those still waiting): the pause holds them
+        scheduler.add_request(r)
+    scheduler.restart_all("the workers died")  # the steps in flight are dropped with them
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
+    assert scheduler.kv.get_computed_blocks(requests[0])[1] == 0  # nothing cached survives
+    driver = utils.StepDriver(scheduler, FakeRunner(keep_sampled=utils.ASYNC))
+    for _ in range(2000):
+        if not driver.has_unfinished_requests() or not scheduler.has_work():
+            break
+        for o in driver.step()[1].outputs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert {r.request_id for r in scheduler.waiting} == {r.request_id for r in requests} - admitted
+    assert all(len(got[req_id]) == 40 for req_id in admitted)
+    scheduler.resume()
+    rest = run_until_done(scheduler, driver)
+    for req_id, entry in rest.items():
+        got.setdefault(req_id, []).extend(entry["tokens"])
+    assert got == {req_id: entry["tokens"] for req_id, entry in alone.items()}
+    assert_no_leaks(scheduler)
+
+
 # ------------------------------------------------------------------------------ abort
 def test_abort_in_each_state():
     scheduler, runner, requests = _fill_cache("fcfs", None)

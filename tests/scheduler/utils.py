@@ -116,7 +116,8 @@ class FakeRunner:
                 self.requests[req_id].block_ids = []
         for new in out.scheduled_new_reqs:
             self.requests[new.req_id] = _RunnerRequest(
-                list(new.prompt_token_ids), len(new.prompt_token_ids), list(new.block_ids))
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                len(new.prompt_token_ids), list(new.block_ids))
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]

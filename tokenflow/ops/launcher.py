@@ -177,12 +177,16 @@ def _report_load_time(model: str) -> None:
 
 class ClusterWatch:
     """Owns the checks that say this server can still serve: the head processes of a cluster
-    it started (Ray runs them as this process's children) are alive, and its port answers."""
+    it started (Ray runs them as this process's children) are alive, and its port answers.
+
+    On a joined cluster neither is ours to watch: Serve's proxy listens where the cluster's
+    owner started it (not at our config's port), and its owner keeps it alive."""
 
     def __init__(self, config: AppConfig, started_ray: bool) -> None:
         import psutil
 
         self._config = config
+        self._started_ray = started_ray
         self._refusals = 0
         self._head = [p for p in psutil.Process().children(recursive=True)
                       if started_ray and p.name() in ("gcs_server", "raylet")]
@@ -194,6 +198,8 @@ class ClusterWatch:
         for process in self._head:
             if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:
                 return f"Ray's {process.name()} (pid {process.pid}) died"
+        if not self._started_ray:
+            return None
         host, port = self._config.host, self._config.port
         self._refusals = 0 if _port_answers(host, port) else self._refusals + 1
         if self._refusals >= MAX_REFUSALS:

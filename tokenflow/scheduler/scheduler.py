@@ -236,10 +236,48 @@ class Scheduler:
         self._pause_state = PauseState.UNPAUSED
 
     def _is_new(self, request: Request) -> bool:
-        """Never admitted: what PAUSED_NEW holds back. A preempted request ran before; one that
-        holds blocks (its prompt KV loaded, or loading, from another engine) was admitted."""
-        return (request.status != RequestStatus.PREEMPTED
+        """Never admitted: what PAUSED_NEW holds back. A preempted (or restarted) request ran
+        before; one that holds blocks (its prompt KV loaded, or loading, from another engine)
+        was admitted."""
+        return (request.num_cached_tokens < 0
                 and not self.kv.num_blocks_held(request.request_id))
+
+    def can_restart_all(self) -> bool:
+        """Whether `restart_all` can run: no KV connector (whose transfers live in workers)."""
+        return self.remote is None
+
+    def restart_all(self, reason: str) -> None:
+        """The workers lost every request and all KV (a pipeline rebuilt after a stage died):
+        each unfinished request starts over, ahead of those that were waiting, sent to the
+        workers as new with the tokens it has (so greedy ones go on token-exactly), and the
+        prefix cache and parked sessions, whose KV is gone, are forgotten. A request whose
+        prompt logprobs were sent already cannot start over (they would be sent twice): it
+        fails with `reason`. Not with a KV connector, whose transfers lived in the workers."""
+        if not self.can_restart_all():
+            raise RuntimeError("requests cannot restart with a KV connector")
+        self.sessions.drop_all()
+        requests = list(self.running) + list(self.waiting)
+        self.running = []
+        self.waiting.remove_many(requests)
+        restart: list[Request] = []
+        for request in requests:
+            if (request.sampling_params.prompt_logprobs is not None
+                    and request.num_output_tokens > 0):
+                self._fail_waiting(request, reason)
+                continue
+            self.kv.free(request)
+            if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+                request.status = RequestStatus.WAITING  # sent as new: the workers know nothing
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            request.num_unsent_tokens = 0
+            request.spec_token_ids = []
+            restart.append(request)
+        for request in reversed(restart):
+            self.waiting.prepend(request)
+        self.finished_req_ids.clear()  # nothing to tell workers that never knew them
+        if not self.kv.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still held after every request let go of them")
 
     # ------------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:

@@ -120,6 +120,11 @@ class Sessions:
         self.kv.free_id(_key(self._parked.popitem(last=False)[0]))
         return True
 
+    def drop_all(self) -> None:
+        """Free every parked session (their KV is gone: the workers restarted)."""
+        while self._parked:
+            self.kv.free_id(_key(self._parked.popitem(last=False)[0]))
+
     def _drop(self, session_id: str) -> bool:
         parked = self._parked.pop(session_id, None)
         if parked is not None:

@@ -94,6 +94,7 @@ class Engine:
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         self._last_stats = SchedulerStats()  # gauges of the latest step
         self.totals = SchedulerStats()  # counters summed over every step since start
+        self.num_worker_restarts = 0  # workers replaced after they died (`_fail`)
         # Weights, KV cache and tokenizer: what a server waits for before its first request.
         self.load_time_s = time.perf_counter() - started
         logger.info("loaded %s in %.1f s", self.model_name, self.load_time_s)
@@ -190,6 +191,8 @@ class Engine:
         return outputs
 
     def _fail(self, sched_out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        if self._restart_on_new_workers(exc):
+            return self._finish_step(EngineCoreOutputs([], self.scheduler.make_stats()))
         logger.error("step failed; finishing its %d requests with an error: %s",
                      len(sched_out.num_scheduled_tokens), exc, exc_info=exc)
         req_ids = list(sched_out.num_scheduled_tokens)
@@ -197,6 +200,19 @@ class Engine:
         message = f"{type(exc).__name__}: {exc}"
         outputs = [EngineCoreOutput(r, [], finish_reason="error", error=message) for r in req_ids]
         return self._finish_step(EngineCoreOutputs(outputs, self.scheduler.make_stats()))
+
+    def _restart_on_new_workers(self, exc: Exception) -> bool:
+        """A step failed: if the executor can replace its workers (a pipeline stage died and
+        was rebuilt), every batch in flight is lost and every request starts over from the
+        tokens it has. Not with a KV connector, whose transfers lived in the old workers."""
+        if not self.scheduler.can_restart_all() or not self.executor.recover():
+            return False
+        logger.warning("the workers were replaced after %s; %d batches in flight are lost and "
+                       "every request starts over from its tokens", exc, len(self._in_flight))
+        self._in_flight.clear()
+        self.scheduler.restart_all(f"{type(exc).__name__}: {exc}")
+        self.num_worker_restarts += 1
+        return True
 
     # --------------------------------------------------------------------------- state
     def state(self, applied: int = 0, has_work: bool = False) -> EngineState:

@@ -31,7 +31,12 @@ class Executor(Protocol):
     def execute_model(self, sched_out: SchedulerOutput) -> StepResult: ...
 
     def check_health(self) -> None:
-        """Raise if a step can no longer run (a stage died)."""
+        """Raise if a step can no longer run (a stage died and cannot be rebuilt)."""
+
+    def recover(self) -> bool:
+        """After a failed step: replace what failed, if it can. True: steps run again, and
+        every request and all KV the workers held are gone (the engine starts its requests
+        over); False: it cannot (the failure stands)."""
 
     def shutdown(self) -> None: ...
 
@@ -76,6 +81,9 @@ class InProcExecutor:
 
     def check_health(self) -> None:
         pass
+
+    def recover(self) -> bool:
+        return False  # its failures are errors of a step, not a lost worker
 
     def shutdown(self) -> None:
         if self._thread is not None:

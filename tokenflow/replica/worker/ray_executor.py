@@ -14,13 +14,18 @@ Placement: one bundle per stage (`{"CPU": n}`, or `{"GPU": 1, "CPU": n}`). Insid
 replica that reserved them (`placement_group_bundles`), the stages go into that replica's
 group; elsewhere (the offline `LLM`, tests) the executor creates its own group and removes it
 on shutdown. A stage that dies fails the step it was in (and every other step in flight): the
-executor kills the other stages, so none of them hangs in a receive, and reports itself dead.
+executor kills the other stages, so none of them hangs in a receive. `recover()` then builds
+the whole pipeline again in the same bundles (Ray places a bundle whose node died elsewhere, if
+the cluster can), with empty KV caches; the engine starts its requests over. A stage that dies
+again within `REBUILD_WINDOW_S` of a rebuild (a request or memory that kills it) leaves the
+executor dead, and the replica unhealthy for Serve to replace.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Any
@@ -44,6 +49,10 @@ from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 600.0
+# A rebuilt pipeline must be up within this (a stage whose node is gone and whose bundle
+# cannot be placed elsewhere must not hold the replica's requests for ten minutes).
+_REBUILD_TIMEOUT_S = 120.0
+REBUILD_WINDOW_S = 60.0
 
 
 class StageDiedError(RuntimeError):
@@ -114,30 +123,44 @@ class RayExecutor:
         arch = resolve_model(config.model.model).arch_config()
         self.vocab_size = arch.vocab_size
         self.step_timeout_s = config.parallel.step_timeout_s
+        self._config = config
+        # The failure, the pings and the rebuild are shared with health checks on other
+        # threads (re-entrant: a health check that finds a dead stage calls `fail`).
+        self._lock = threading.RLock()
         self._failure: str | None = None
+        self._rebuilding = False
         self._pings: list[ray.ObjectRef] = []
         self._graph: Any = None
+        self.num_rebuilds = 0
+        self._last_rebuild = -REBUILD_WINDOW_S
         # The rule the Serve options reserved the replica's bundles by.
         use_gpu = stages_use_gpu(config.model.device, cluster_gpus())
         self.control = resolve_pipeline_control(config.parallel.pipeline_control, use_gpu)
-        bundles = stage_bundles(config, use_gpu)
-        self._pg, self._owns_pg = self._placement_group(bundles, config)
+        self._bundles = stage_bundles(config, use_gpu)
+        self._pg, self._owns_pg = self._placement_group(self._bundles, config)
+        self._actors = self._create_actors()
+        try:
+            blocks = self._start(_START_TIMEOUT_S)
+            self.num_blocks = min(blocks)
+            self.max_model_len = resolve_max_model_len(config, arch.max_position_embeddings,
+                                                       self.num_blocks)
+            self._init_caches()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _create_actors(self) -> list[Any]:
         actor_cls = ray.remote(concurrency_groups={"control": 1})(StageWorker)
         pipeline_id = uuid.uuid4().hex[:8]
-        self._actors = [
+        return [
             actor_cls.options(
                 # Named, so an operator (or a test) can find one stage of one pipeline.
                 name=f"tokenflow-stage{k}-{pipeline_id}",
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pg, placement_group_bundle_index=k),
-            ).remote(config, k)
-            for k, bundle in enumerate(bundles)]
-        try:
-            self._start(config, arch.max_position_embeddings)
-        except BaseException:
-            self.shutdown()
-            raise
+            ).remote(self._config, k)
+            for k, bundle in enumerate(self._bundles)]
 
     @staticmethod
     def _placement_group(bundles: list[dict[str, float]], config: EngineConfig
@@ -157,24 +180,27 @@ class RayExecutor:
                                f"{bundles[0]} ({config.parallel.placement_strategy})") from None
         return pg, True
 
-    def _start(self, config: EngineConfig, model_max_len: int) -> None:
+    def _start(self, timeout_s: float) -> list[int]:
+        """Join the stages into one pipe; returns the KV blocks each can hold."""
         actors = self._actors
-        ips = ray.get([a.node_ip.remote() for a in actors], timeout=_START_TIMEOUT_S)
-        master = ray.get(actors[0].rendezvous_address.remote(ips[0]))
+        ips = ray.get([a.node_ip.remote() for a in actors], timeout=timeout_s)
+        master = ray.get(actors[0].rendezvous_address.remote(ips[0]), timeout=timeout_s)
         # Every stage at once: joining the group blocks until all of them joined.
         ray.get([a.init_pipe.remote(master, ip) for a, ip in zip(actors, ips, strict=True)],
-                timeout=_START_TIMEOUT_S)
-        blocks = ray.get([a.num_blocks_available.remote() for a in actors])
-        self.num_blocks = min(blocks)
-        self.max_model_len = resolve_max_model_len(config, model_max_len, self.num_blocks)
-        ray.get([a.init_cache.remote(self.num_blocks, self.max_model_len) for a in actors])
+                timeout=timeout_s)
         self.stage_nodes = ips
+        return ray.get([a.num_blocks_available.remote() for a in actors], timeout=timeout_s)
+
+    def _init_caches(self) -> None:
+        """Give every stage its KV cache (and build the compiled graph over them)."""
+        actors = self._actors
+        ray.get([a.init_cache.remote(self.num_blocks, self.max_model_len) for a in actors])
         if self.control == "compiled_graph":
             with InputNode() as sched_out:
                 steps = MultiOutputNode([a.execute_model.bind(sched_out) for a in actors])
             self._graph = steps.experimental_compile(_max_inflight_executions=len(actors))
         logger.info("pipeline of %d stages on %s, %d KV blocks each, control by %s",
-                    len(actors), ips, self.num_blocks, self.control)
+                    len(actors), self.stage_nodes, self.num_blocks, self.control)
 
     # ------------------------------------------------------------------------- steps
     def execute_model(self, sched_out: SchedulerOutput) -> StepFuture:
@@ -188,29 +214,76 @@ class RayExecutor:
     def fail(self, stage: int, reason: str) -> StageDiedError:
         """Record that `stage` failed, stop every stage (none may hang waiting for it), and
         return the error to raise."""
-        if self._failure is None:
-            self._failure = f"pipeline stage {stage} of {len(self._actors)} died: {reason}"
-            logger.error("%s; stopping the pipeline", self._failure)
+        with self._lock:
+            if self._failure is None:
+                self._failure = f"pipeline stage {stage} of {len(self._actors)} died: {reason}"
+                logger.error("%s; stopping the pipeline", self._failure)
+                self._kill_actors()
+            return StageDiedError(self._failure)
+
+    def may_recover(self) -> bool:
+        """Whether `recover()` would try a rebuild (none in the last `REBUILD_WINDOW_S`)."""
+        return time.monotonic() - self._last_rebuild > REBUILD_WINDOW_S
+
+    def recover(self) -> bool:
+        """After a stage died: build every stage again in the same bundles, with empty KV
+        caches of the same size. True when steps can run again (every request and all KV the
+        old stages held are gone); False when the pipeline stays dead (a second death within
+        the window, or the new stages did not come up). Runs on the engine's thread; health
+        checks meanwhile pass (`_rebuilding`) and send no pings."""
+        with self._lock:
+            if self._failure is None:
+                return True
+            if not self.may_recover():
+                return False
+            self._last_rebuild = time.monotonic()
+            self._rebuilding, self._pings = True, []
+            failure = self._failure
+        logger.warning("rebuilding the pipeline after: %s", failure)
+        try:
+            self._actors = self._create_actors()
+            blocks = self._start(_REBUILD_TIMEOUT_S)
+            if min(blocks) < self.num_blocks:
+                raise RuntimeError(f"the new stages hold {min(blocks)} KV blocks, not "
+                                   f"{self.num_blocks}")
+            self._init_caches()
+        except Exception as exc:  # it stays dead; the replica reports unhealthy
             self._kill_actors()
-        return StageDiedError(self._failure)
+            with self._lock:
+                self._failure = f"{failure}; rebuilding it failed: {exc!r}"
+                self._rebuilding = False
+            logger.error("%s", self._failure)
+            return False
+        with self._lock:
+            self._failure, self._rebuilding = None, False
+            self.num_rebuilds += 1
+            self._last_rebuild = time.monotonic()  # the window runs from when it serves again
+        return True
 
     def check_health(self) -> None:
-        """Raise if a stage died. Never waits: stages answer pings only between steps, so a
-        ping sent at the previous check is looked at now."""
-        if self._failure is None and self._pings:
-            done, _ = ray.wait(self._pings, num_returns=len(self._pings), timeout=0)
-            for k, ref in enumerate(self._pings):
-                if ref in done:
-                    try:
-                        ray.get(ref)
-                    except RayActorError as exc:
-                        self.fail(k, repr(exc))
-            if len(done) == len(self._pings):
-                self._pings = []
-        if self._failure is not None:
-            raise StageDiedError(self._failure)
-        if not self._pings:
-            self._pings = [a.ping.remote() for a in self._actors]
+        """Raise if a stage died and the pipeline cannot be rebuilt (a death the engine's
+        next step repairs with `recover()` is not a reason to replace the replica). Never
+        waits: stages answer pings only between steps, so a ping sent at the previous check
+        is looked at now. Called from any thread."""
+        with self._lock:
+            if self._rebuilding:
+                return
+            if self._failure is None and self._pings:
+                done, _ = ray.wait(self._pings, num_returns=len(self._pings), timeout=0)
+                for k, ref in enumerate(self._pings):
+                    if ref in done:
+                        try:
+                            ray.get(ref)
+                        except RayActorError as exc:
+                            self.fail(k, repr(exc))
+                if len(done) == len(self._pings):
+                    self._pings = []
+            if self._failure is not None:
+                if self.may_recover():
+                    return
+                raise StageDiedError(self._failure)
+            if not self._pings:
+                self._pings = [a.ping.remote() for a in self._actors]
 
     def take_timings(self) -> list[dict[str, float]]:
         """Each stage's `StageTimings` since the last call (for benchmarks)."""
