@@ -204,6 +204,32 @@ class KVTransferConfig(_Frozen):
     lease_s: float = Field(default=30.0, gt=0)
 
 
+class KVEventsConfig(_Frozen):
+    """Publishing KV-cache events (blocks stored, removed, all cleared) in vLLM's wire format:
+    msgpack batches on a ZeroMQ PUB socket, as vLLM's `KVEventsConfig` sets them up. A replica
+    advertises the endpoints it bound, with its node's IP (`LLMServer.kv_events_endpoints`)."""
+
+    enabled: bool = False
+    # Bound on every interface; port 0 picks a free one (several replicas share a node).
+    endpoint: str = "tcp://*:0"
+    # A ROUTER socket that resends buffered batches from a requested sequence number; None: off.
+    replay_endpoint: str | None = None
+    topic: str = ""
+    # How many past batches (one per engine step with events) the replay socket can resend.
+    buffer_steps: int = Field(default=10_000, ge=1)
+    # ZeroMQ's high-water mark of the PUB socket (messages queued per slow subscriber).
+    hwm: int = Field(default=100_000, ge=1)
+
+    @model_validator(mode="after")
+    def _tcp_endpoints(self) -> KVEventsConfig:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZeroMQ address (tcp://host:port, ipc://, "
+                                 f"inproc://), got {value!r}")
+        return self
+
+
 class StructuredOutputsConfig(_Frozen):
     """Grammar-constrained decoding (JSON schema, regex, choice, EBNF) with xgrammar: how JSON
     may be laid out, and how many threads compile grammars (off the engine thread)."""
@@ -225,6 +251,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     # Where AsyncEngine (a served replica) runs the step loop: a thread of the serving process,

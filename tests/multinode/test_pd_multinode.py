@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation across real nodes: the prefill replica on one namespace node,
 the decode replica on another, so the prompts' KV crosses a veth link, on both transports. The
-served text equals a colocated engine's."""
+served text equals a colocated engine's, and the decode replica's KV-cache events reach a
+subscriber on another node."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from tests.cluster.conftest import ENGINE_ARGS
 from tests.multinode.netns import NamespaceCluster
 from tokenflow.config import EngineConfig
+from tokenflow.kv.hashing import extend_block_hashes
 from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
 
@@ -24,10 +26,11 @@ PROMPTS = [f"{start} {_STORY}" for start in (
     "Once upon a time there was")]
 NUM_NEW = 10
 DRIVER = """
-import json, os, httpx, ray
+import json, os, time, httpx, ray, zmq
 from ray import serve
 from tests.cluster.conftest import pd_app_args
 from tokenflow.cluster.app import build_app
+from tokenflow.kv.events import BlockStored, decoder
 
 ray.init(log_to_driver=False)
 nodes = json.loads(os.environ["TF_NODES"])
@@ -41,7 +44,17 @@ for connector in ("torch_p2p", "ray_object_store"):
     pin = lambda node: {"num_cpus": 0.25, "resources": {nodes[node]["resource"]: 0.01}}
     args["deployment"]["ray_actor_options"] = pin("w2")              # decode on w2
     args["prefill"]["deployment"] = {"num_replicas": 1, "ray_actor_options": pin("w1")}
+    with_events = connector == "torch_p2p"
+    if with_events:  # the decode replica publishes its KV-cache events
+        args["engine"]["kv_events"] = {"enabled": True, "replay_endpoint": "tcp://*:0"}
     serve.run(build_app(args), name="pd", route_prefix="/")
+    decode = serve.get_deployment_handle("LLMServer", app_name="pd")
+    if with_events:  # subscribed from this node (the head) across the link
+        endpoints = decode.kv_events_endpoints.remote().result()
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoints["endpoint"])
+        time.sleep(0.5)
     texts = []
     for prompt in prompts:
         r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=300,
@@ -50,12 +63,19 @@ for connector in ("torch_p2p", "ray_object_store"):
                              "ignore_eos": True})
         r.raise_for_status()
         texts.append(r.json()["choices"][0]["text"])
-    decode = serve.get_deployment_handle("LLMServer", app_name="pd")
     prefill = serve.get_deployment_handle("PrefillServer", app_name="pd")
     where = {name: handle.node_ip.remote().result() for name, handle in
              (("decode", decode), ("prefill", prefill))}
     result[connector] = {"texts": texts, "stats": decode.stats.remote().result(),
                          "where": where}
+    if with_events:
+        stored = []
+        while sub.poll(3000):
+            _, _, payload = sub.recv_multipart()
+            stored += [h for e in decoder().decode(payload).events
+                       if isinstance(e, BlockStored) for h in e.block_hashes]
+        sub.close(linger=0)
+        result[connector]["kv_events"] = {**endpoints, "stored": stored}
     serve.delete("pd")
 serve.shutdown()
 print(json.dumps(result))
@@ -76,3 +96,14 @@ def test_prefill_and_decode_on_two_nodes(netns_cluster: NamespaceCluster) -> Non
         shown = f"{connector}: {json.dumps(stats)}"
         assert stats["prefill_fallbacks"] == 0, shown
         assert stats["kv_transfer_bytes"] > 0 and stats["kv_transfer_failures"] == 0, shown
+    # KV-cache events: the decode replica advertises its node's address (not loopback or the
+    # wildcard), a subscriber on another node receives them, and they announce the blocks of
+    # every prompt (loaded from the prefill replica) under the hashes a router computes.
+    events = out["torch_p2p"]["kv_events"]
+    w2 = netns_cluster.node("w2").ip
+    assert events["endpoint"].startswith(f"tcp://{w2}:"), events
+    assert events["replay_endpoint"].startswith(f"tcp://{w2}:"), events
+    for prompt in PROMPTS:
+        hashes: list[int] = []
+        extend_block_hashes(hashes, llm.engine.process_inputs("x", prompt).prompt_token_ids, 16)
+        assert hashes and set(hashes) <= set(events["stored"]), prompt

@@ -370,6 +370,12 @@ class LLMServer:
                 "kv_transfer_failures": totals.kv_transfer_failures,
                 "prefill_fallbacks": self._prefill.num_fallbacks if self._prefill else 0}
 
+    def kv_events_endpoints(self) -> dict[str, str | None]:
+        """Where this replica's KV-cache events are published, reachable from other nodes
+        (`engine.kv_events`): {"endpoint", "replay_endpoint"}, None where off."""
+        endpoint, replay = self.engine.kv_events_endpoints
+        return {"endpoint": endpoint, "replay_endpoint": replay}
+
     def node_ip(self) -> str:
         """The IP of the node this replica runs on (where its KV transfers come from)."""
         import ray

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from tokenflow.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -121,9 +123,11 @@ class BlockPool:
     - `block.block_hash is not None` iff the map holds `block_hash -> block` (one block per hash:
       a second block with the same content stays unregistered rather than steal the entry).
     Freed blocks keep their hash, so a later request can hit them until they are evicted.
+    With `medium` set, every change to the cached set is recorded as a KV-cache event
+    (`tokenflow.kv.events`) until `take_events()` drains them.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, medium: str | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -131,6 +135,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[int, KVCacheBlock] = {}
+        self.medium = medium
+        self._events: list[KVCacheEvent] | None = [] if medium is not None else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -161,8 +167,17 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self._events is not None:
+            self._events.append(BlockRemoved([block.block_hash], self.medium))
         block.block_hash = None
         block.token_ids = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (none unless recording)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block; a freed (ref 0) block leaves the free queue."""
@@ -199,9 +214,13 @@ class BlockPool:
             return 0
         cached = self._cached
         registered = 0
+        run_start = None  # the first block of a run of registered ones, for the events
         for i in range(start, end):
             block_hash = block_hashes[i]
             if block_hash in cached:
+                if run_start is not None:
+                    self._record_stored(block_hashes, token_ids, block_size, run_start, i)
+                    run_start = None
                 continue
             block = blocks[i]
             assert block.block_hash is None, f"block {block.block_id} is already cached"
@@ -209,7 +228,22 @@ class BlockPool:
             block.token_ids = tuple(token_ids[i * block_size:(i + 1) * block_size])
             cached[block_hash] = block
             registered += 1
+            if run_start is None:
+                run_start = i
+        if run_start is not None:
+            self._record_stored(block_hashes, token_ids, block_size, run_start, end)
         return registered
+
+    def _record_stored(self, block_hashes: Sequence[int], token_ids: Sequence[int],
+                       block_size: int, start: int, end: int) -> None:
+        """One `BlockStored` for the registered blocks [start, end), chained to block start-1."""
+        if self._events is None:
+            return
+        parent = block_hashes[start - 1] if start > 0 else None
+        self._events.append(BlockStored(
+            list(block_hashes[start:end]), parent,
+            list(token_ids[start * block_size:end * block_size]), block_size,
+            None, self.medium, None))
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
         """The block cached under `block_hash` if it holds exactly `token_ids`, else None."""
@@ -229,6 +263,8 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
         self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def check_integrity(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tokenflow.kv.block_pool import BlockPool, KVCacheBlock
+from tokenflow.kv.events import KVCacheEvent
 from tokenflow.kv.hashing import extend_block_hashes
 
 
@@ -43,13 +44,15 @@ class KVCacheManager:
     reads it, so a request scheduled later in the same step may already share it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events_medium: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # events_medium: record KV-cache events, naming the blocks' tier so.
+        self.pool = BlockPool(num_blocks, enable_caching, events_medium)
         self._reqs: dict[str, _ReqBlocks] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -265,6 +268,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's KV-cache events since the last call (see `BlockPool`)."""
+        return self.pool.take_events()
 
     def check_integrity(self) -> None:
         """Assert pool invariants, and that each block's ref count equals its number of holders."""

@@ -30,10 +30,12 @@ def build_scheduler(
     kv_transfer: KVTransferConfig | None = None,
     num_stages: int = 1,
     structured_outputs: GrammarBackend | None = None,
+    kv_events_medium: str | None = None,
 ) -> Scheduler:
     """The configured scheduler class (`AsyncScheduler` with async scheduling, unless a
     `scheduler_cls` is given); `structured_outputs` is the engine's grammar manager
-    (a `GrammarBackend`), None where the engine has none."""
+    (a `GrammarBackend`), None where the engine has none; `kv_events_medium`: record KV-cache
+    events, naming the KV cache's tier so (None: none recorded)."""
     cls: type[Scheduler] = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
     if scheduler_config.scheduler_cls:
         cls = import_scheduler_cls(scheduler_config.scheduler_cls)
@@ -41,4 +43,5 @@ def build_scheduler(
             f"using custom scheduler {scheduler_config.scheduler_cls}: the scheduler interface "
             "is not stable and may change without notice", UserWarning, stacklevel=2)
     return cls(scheduler_config, cache_config, num_blocks, max_model_len, kv_transfer,
-               num_stages, structured_outputs=structured_outputs)
+               num_stages, structured_outputs=structured_outputs,
+               kv_events_medium=kv_events_medium)

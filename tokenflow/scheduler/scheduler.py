@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
 from tokenflow.kv.connector import create_scheduler_connector
+from tokenflow.kv.events import KVCacheEvent
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.grammar import GrammarBackend
 from tokenflow.scheduler.pause import PauseState
@@ -67,11 +68,12 @@ class Scheduler:
         kv_transfer: KVTransferConfig | None = None,
         num_stages: int = 1,
         structured_outputs: GrammarBackend | None = None,
+        kv_events_medium: str | None = None,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, kv_events_medium)
         self.max_model_len = max_model_len
         # KV transfer (disaggregated prefill/decode), when a connector is configured; every
         # pipeline stage moves its own layers, so a transfer ends when all of them reported.
@@ -619,3 +621,7 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call (the engine drains them once a step)."""
+        return self.kv.take_events()

@@ -108,6 +108,13 @@ class AsyncEngine:
         return self._loop.info.max_model_len
 
     @property
+    def kv_events_endpoints(self) -> tuple[str | None, str | None]:
+        """(PUB, replay) addresses of the engine's KV-cache events, None where not published.
+        An engine process that restarts binds new ones."""
+        info = self._loop.info
+        return info.kv_events_endpoint, info.kv_events_replay_endpoint
+
+    @property
     def engine_pid(self) -> int | None:
         """The engine process's pid (None when the engine runs in this process)."""
         return self._loop.pid if isinstance(self._loop, EngineProcess) else None

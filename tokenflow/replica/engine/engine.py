@@ -10,7 +10,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenflow.config import EngineConfig
+from tokenflow.net import node_ip
 from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenflow.replica.engine.kv_event_publisher import KVEventPublisher
 from tokenflow.replica.engine.output_processor import OutputProcessor, RequestOutput
 from tokenflow.replica.engine.structured_output import StructuredOutputManager
 from tokenflow.replica.loading.resolve import load_tokenizer
@@ -83,9 +85,13 @@ class Engine:
         # Its compiler reads the tokenizer on first use, in a compile thread.
         self.structured_outputs = StructuredOutputManager(
             config.structured_outputs, lambda: load_tokenizer(tokenizer_name), self.vocab_size)
+        events = config.kv_events
         self.scheduler = build_scheduler(
             config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
-            config.kv_transfer, config.parallel.pipeline_parallel_size, self.structured_outputs)
+            config.kv_transfer, config.parallel.pipeline_parallel_size, self.structured_outputs,
+            kv_events_medium=self.executor.kv_medium if events.enabled else None)
+        # Drained once a step (`_finish_step`); published from a thread of its own.
+        self.kv_events = KVEventPublisher(events, node_ip()) if events.enabled else None
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
                                               self.vocab_size, config.structured_outputs)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -185,6 +191,10 @@ class Engine:
         if core_out.scheduler_stats is not None:
             self._last_stats = core_out.scheduler_stats
             self.totals.add(core_out.scheduler_stats)
+        if self.kv_events is not None:
+            events = self.scheduler.take_kv_events()
+            if events:
+                self.kv_events.publish(events)
         outputs, to_finish = self.output_processor.process(core_out.outputs)
         if to_finish:  # stop strings: free those sequences now, not after max_tokens
             self.scheduler.finish_requests(to_finish, RequestStatus.FINISHED_STOPPED)
@@ -248,3 +258,5 @@ class Engine:
     def shutdown(self) -> None:
         self.structured_outputs.shutdown()
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()

@@ -83,11 +83,16 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     load_time_s: float
+    # Where its KV-cache events are published (and replayed): None when they are not.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
+        events = engine.kv_events
         return cls(engine.model_name, engine.max_model_len, engine.vocab_size,
-                   engine.load_time_s)
+                   engine.load_time_s, events.endpoint if events else None,
+                   events.replay_endpoint if events else None)
 
 
 def run_steps(engine: Engine, receive: Callable[[bool], list[Command] | None],

@@ -27,6 +27,8 @@ class Executor(Protocol):
     num_blocks: int
     max_model_len: int
     vocab_size: int
+    # Where the KV cache lives, as KV-cache events name the tier ("GPU" or "CPU").
+    kv_medium: str
 
     def execute_model(self, sched_out: SchedulerOutput) -> StepResult: ...
 
@@ -55,6 +57,7 @@ class InProcExecutor:
         self.max_model_len = resolve_max_model_len(
             config, self.worker.arch.max_position_embeddings, self.num_blocks)
         self.vocab_size = self.worker.arch.vocab_size
+        self.kv_medium = "GPU" if self.worker.device.type == "cuda" else "CPU"
         self.worker.init_cache(self.num_blocks, self.max_model_len)
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenflow-model")
                         if config.scheduler.async_scheduling else None)

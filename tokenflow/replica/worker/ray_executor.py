@@ -135,6 +135,7 @@ class RayExecutor:
         self._last_rebuild = -REBUILD_WINDOW_S
         # The rule the Serve options reserved the replica's bundles by.
         use_gpu = stages_use_gpu(config.model.device, cluster_gpus())
+        self.kv_medium = "GPU" if use_gpu else "CPU"
         self.control = resolve_pipeline_control(config.parallel.pipeline_control, use_gpu)
         self._bundles = stage_bundles(config, use_gpu)
         self._pg, self._owns_pg = self._placement_group(self._bundles, config)
