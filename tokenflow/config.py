@@ -380,9 +380,20 @@ class DeploymentConfig(_Frozen):
     # mode only, no Serve request router: HAProxy sends each request to the replica with the
     # fewest open connections itself, without its per-request call to the ingress request
     # router (0.5-1.5 ms of TTFT at concurrency 1 on 2 cores; bench/README.md), and without prefix affinity.
-    request_router: Literal["power_of_two", "prefix_aware", "least_connections"] = "power_of_two"
+    # kv_aware (`cluster.kv_router`): by where the replicas' own KV-cache events say each
+    # prefix is cached, weighed against their KV load (it turns engine.kv_events on, with
+    # replay, for the deployment's replicas).
+    request_router: Literal["power_of_two", "prefix_aware", "kv_aware",
+                            "least_connections"] = "power_of_two"
     router_imbalanced_threshold: int = Field(default=8, ge=0)
+    # kv_aware: the weight of a block to prefill against a block of KV held by running requests.
+    router_overlap_weight: float = Field(default=1.0, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+
+    @property
+    def router_reads_prompt(self) -> bool:
+        """Whether the request router routes on the prompt (and so needs it from HAProxy)."""
+        return self.request_router in ("prefix_aware", "kv_aware")
 
     @model_validator(mode="after")
     def _one_of(self) -> DeploymentConfig:
@@ -425,7 +436,7 @@ class AppConfig(_Frozen):
                 and self.prefill.deployment.request_router == "least_connections"):
             raise ValueError("prefill.deployment.request_router: the prefill replicas are "
                              "called through a Serve handle, which needs a Serve request "
-                             "router (power_of_two or prefix_aware)")
+                             "router (power_of_two, prefix_aware or kv_aware)")
         return self
 
     @model_validator(mode="after")

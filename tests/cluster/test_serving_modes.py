@@ -187,14 +187,16 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 
 @pytest.mark.slow
 def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
-    """Two replicas behind the prefix-aware router: unrelated requests spread over both (by
-    load), and requests that share a long prefix all go where it is cached. Each replica's
-    engine runs in a child process of the replica (`engine_loop: auto`, the default), and the
-    API is the same, token-exact. `/pause` and `/resume` reach both replicas, and SIGTERM
-    drains: a request under way runs to its end before the server exits."""
+    """Two replicas behind the KV-aware router (which reads the prompt HAProxy forwards, as
+    the prefix-aware one does): unrelated requests spread over both (by load), and requests
+    that share a long prefix all go where it is cached, also after the router's process is
+    killed and restarted (it learns from the replicas' KV-event replay). Each replica's engine
+    runs in a child process of the replica (`engine_loop: auto`, the default), and the API is
+    the same, token-exact. `/pause` and `/resume` reach both replicas, and SIGTERM drains: a
+    request under way runs to its end before the server exits."""
     mode = AppConfig().serving_mode
     server, url = _start(mode, 2, tmp_path, cli_args=("--drain-timeout", "120"),
-                         request_router="prefix_aware")
+                         request_router="kv_aware")
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
@@ -220,6 +222,26 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
         system_blocks = len(offline.tokenizer.encode(system)) // 16
         assert system_blocks >= 3
         assert cached[0] == 0 and all(c >= 16 * system_blocks for c in cached[1:]), cached
+
+        # The router's process dies; Serve starts another, which knows nothing of its own
+        # and replays what each replica holds: the prefix still goes where it is cached.
+        [router] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                    if "ServeReplica:tokenflow:ReplicaRouter" in " ".join(p.cmdline())]
+        router.kill()
+        deadline = time.monotonic() + 180
+        while True:  # until a new router answers HAProxy (with its first load reports)
+            try:
+                client.completions.create(model=MODEL, prompt="warm up", max_tokens=1)
+                break
+            except (openai.APIStatusError, openai.APIConnectionError):
+                assert time.monotonic() < deadline, "no router came back"
+                time.sleep(1)
+        time.sleep(3)  # the replicas' load reports (with their event endpoints) reach it
+        after = [client.completions.create(model=MODEL, prompt=f"{system} user {user} asks",
+                                           max_tokens=2, temperature=0
+                                           ).usage.prompt_tokens_details.cached_tokens
+                 for user in range(8, 12)]
+        assert all(c >= 16 * system_blocks for c in after), after
         _pause_resume_and_drain(server, url)
     finally:
         server.stop()

@@ -51,6 +51,17 @@ def server_options(config: AppConfig) -> dict[str, Any]:
     return deployment_options(config.engine, config.deployment)
 
 
+def engine_for(engine: EngineConfig, deployment: DeploymentConfig) -> EngineConfig:
+    """The engine config a deployment's replicas run: with the kv_aware router, KV-cache
+    events on, with a replay socket (a router that starts later learns what they hold)."""
+    events = engine.kv_events
+    if deployment.request_router != "kv_aware" or (events.enabled and events.replay_endpoint):
+        return engine
+    events = events.model_copy(update={"enabled": True,
+                                       "replay_endpoint": events.replay_endpoint or "tcp://*:0"})
+    return engine.model_copy(update={"kv_events": events})
+
+
 def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> dict[str, Any]:
     """An LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
     pipeline stages, the placement group each replica reserves for them)."""
@@ -76,6 +87,16 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
                 "imbalanced_threshold": deployment.router_imbalanced_threshold},
             # The replicas' own load reports, for when Serve has no queue length at hand.
             "request_routing_stats_period_s": 2.0}
+    elif deployment.request_router == "kv_aware":
+        model = engine.model
+        options["request_router_config"] = {
+            "request_router_class": "tokenflow.cluster.kv_router:KVAwareRouter",
+            "request_router_kwargs": {
+                "block_size": engine.cache.block_size,
+                "tokenizer": model.tokenizer or model.model,
+                "overlap_weight": deployment.router_overlap_weight},
+            # Each replica's KV load (and where it publishes its events), once a second.
+            "request_routing_stats_period_s": 1.0}
     if deployment.autoscaling_config is not None:
         options["autoscaling_config"] = deployment.autoscaling_config.serve_options()
     else:
@@ -90,14 +111,15 @@ def bind_app(config: AppConfig) -> serve.Application:
     to its prefill deployment."""
     mode = config.serving_mode
     # A router that reads the prompt needs it from HAProxy.
-    check_cluster_env(mode, config.deployment.request_router == "prefix_aware")
-    engine_args = config.engine.model_dump(mode="json")
+    check_cluster_env(mode, config.deployment.router_reads_prompt)
+    engine_args = engine_for(config.engine, config.deployment).model_dump(mode="json")
     prefill = None
     if config.prefill is not None:
         prefill = serve.deployment(
             LLMServer, name="PrefillServer",
             **deployment_options(config.prefill.engine, config.prefill.deployment),
-        ).bind(config.prefill.engine.model_dump(mode="json"),
+        ).bind(engine_for(config.prefill.engine, config.prefill.deployment
+                          ).model_dump(mode="json"),
                max_queued_requests=config.prefill.deployment.max_queued_requests)
     model = config.engine.model
     http_args = (model.name, config.api_key, model.tokenizer or model.model)

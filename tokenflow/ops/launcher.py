@@ -274,7 +274,7 @@ def serve_main(args: argparse.Namespace) -> int:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
         cluster = _start_ray(observe, config.serving_mode,
-                             config.deployment.request_router == "prefix_aware")
+                             config.deployment.router_reads_prompt)
         _refuse_to_replace(cluster is not None)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")

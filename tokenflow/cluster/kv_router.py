@@ -1,0 +1,342 @@
+"""KV-aware routing: send a request where its prompt's prefix is cached, as the replicas
+themselves report it through their KV-cache events, weighed against their load.
+
+Where `prefix_aware` guesses (it remembers what it sent where), this router knows: every
+replica publishes what its prefix cache stores, evicts and clears (`engine.kv_events`, vLLM's
+wire format), and a `KVEventFeed` in the router subscribes to each replica it may route to and
+keeps a `KVBlockIndex` of block hash -> replicas (and tiers) up to date. A new router, or one
+that restarted, asks each replica's replay socket for everything from sequence number 0 (up to
+the replica's `buffer_steps` batches), so it starts with what the replicas hold, not empty; a
+gap in a live sequence is filled the same way. A replica that clears its cache
+(`AllBlocksCleared`), restarts its engine (new endpoints) or goes away drops out of the index.
+
+The choice, per candidate replica r, for a prompt of B full blocks (`KVRouting.choose`):
+
+    cost(r) = overlap_weight * (B - cached_prefix_blocks(r)) + active_blocks(r)
+
+the blocks r would have to prefill plus the KV blocks its running requests hold (its last load
+report, once a second, plus the blocks each request this router sent it since must newly hold)
+-- the two terms of Dynamo's KV router cost (prefill work, decode load), written for this
+codebase. The cheapest replica is tried first (on a tie, the one with the longer cached
+prefix), the rest follow by cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import random
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from tokenflow.cluster.prefix_router import PromptBlocks
+from tokenflow.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder
+
+logger = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+_REPLAY_TIMEOUT_MS = 5000
+_POLL_MS = 100
+_CATCH_UP_POLLS, _CATCH_UP_POLL_S = 40, 0.025  # at most 1 s
+
+
+class KVBlockIndex:
+    """Owns where each cached block is: block hash -> {replica: tiers}, and each replica's
+    hashes (so a replica drops out at once). Not thread-safe: `KVEventFeed` guards it."""
+
+    def __init__(self) -> None:
+        self._where: dict[int, dict[Hashable, set[str]]] = {}
+        self._held: dict[Hashable, set[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def apply(self, replica: Hashable, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held = self._held.setdefault(replica, set())
+                medium = event.medium or ""
+                for h in event.block_hashes:
+                    self._where.setdefault(h, {}).setdefault(replica, set()).add(medium)
+                    held.add(h)
+            elif isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    self._remove(replica, h, event.medium or "")
+            elif isinstance(event, AllBlocksCleared):
+                self.drop(replica)
+
+    def _remove(self, replica: Hashable, block_hash: int, medium: str) -> None:
+        owners = self._where.get(block_hash)
+        tiers = owners.get(replica) if owners else None
+        if tiers is None:
+            return
+        tiers.discard(medium)
+        if not tiers:
+            del owners[replica]  # type: ignore[union-attr]
+            self._held[replica].discard(block_hash)
+            if not owners:
+                del self._where[block_hash]
+
+    def drop(self, replica: Hashable) -> None:
+        """Forget everything `replica` held."""
+        for h in self._held.pop(replica, ()):
+            owners = self._where.get(h)
+            if owners is not None:
+                owners.pop(replica, None)
+                if not owners:
+                    del self._where[h]
+
+    def cached_prefix(self, hashes: Sequence[int], candidates: Sequence[Hashable]
+                      ) -> dict[Hashable, int]:
+        """How many leading blocks of `hashes` each candidate holds (in any tier). A hash
+        chains its whole prefix, so the first block a replica lacks ends its match."""
+        matched = dict.fromkeys(candidates, 0)
+        alive = set(candidates)
+        for i, h in enumerate(hashes):
+            owners = self._where.get(h)
+            still = alive & owners.keys() if owners else set()
+            for replica in still:
+                matched[replica] = i + 1
+            alive = still
+            if not alive:
+                break
+        return matched
+
+    def num_blocks(self, replica: Hashable) -> int:
+        return len(self._held.get(replica, ()))
+
+
+@dataclass
+class _Subscription:
+    """One replica's event stream: its sockets and the last sequence number applied."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    sub: zmq.Socket
+    last_seq: int = -1
+    pending: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+class KVEventFeed:
+    """Owns the subscriptions to the replicas' KV-cache events and the `KVBlockIndex` they
+    feed, and the thread that reads them (ZeroMQ sockets stay on that thread; `watch` and
+    `unwatch` only queue commands)."""
+
+    def __init__(self) -> None:
+        self.index = KVBlockIndex()
+        self.lock = threading.Lock()  # guards `index`
+        self._commands: queue.SimpleQueue[tuple[Hashable, str | None, str | None]] = (
+            queue.SimpleQueue())
+        self._subs: dict[Hashable, _Subscription] = {}
+        self._watching: dict[Hashable, tuple[str | None, str | None]] = {}
+        # Set once a watched replica's replay has been applied (its past is in the index).
+        self._caught_up: dict[Hashable, threading.Event] = {}
+        self._context = zmq.Context.instance()
+        self._decoder = decoder()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tokenflow-kv-feed", daemon=True)
+        self._thread.start()
+
+    def watch(self, replica: Hashable, endpoint: str | None, replay: str | None) -> None:
+        """Follow `replica`'s events at `endpoint` (None: it publishes none). A new endpoint
+        for a known replica (its engine restarted) starts it over from an empty cache."""
+        if self._watching.get(replica) != (endpoint, replay):
+            self._watching[replica] = (endpoint, replay)
+            self._caught_up[replica] = threading.Event()
+            self._commands.put((replica, endpoint, replay))
+
+    def caught_up(self, replica: Hashable) -> bool:
+        """Whether `replica`'s replayed past is in the index (True if not watched)."""
+        event = self._caught_up.get(replica)
+        return event is None or event.is_set()
+
+    def unwatch(self, replica: Hashable) -> None:
+        self._caught_up.pop(replica, None)
+        if self._watching.pop(replica, None) is not None:
+            self._commands.put((replica, None, None))
+
+    def watched(self) -> set[Hashable]:
+        return set(self._watching)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=2)
+
+    # --------------------------------------------------------------- the feed's thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        while not self._stop:
+            while not self._commands.empty():
+                self._apply_command(poller, *self._commands.get())
+            try:
+                ready = dict(poller.poll(_POLL_MS))
+            except zmq.ZMQError:  # a socket closed under the poll
+                continue
+            for replica, subscription in list(self._subs.items()):
+                if subscription.sub in ready:
+                    self._read(replica, subscription)
+        for subscription in self._subs.values():
+            subscription.sub.close(linger=0)
+
+    def _apply_command(self, poller: zmq.Poller, replica: Hashable, endpoint: str | None,
+                       replay: str | None) -> None:
+        old = self._subs.pop(replica, None)
+        if old is not None:
+            poller.unregister(old.sub)
+            old.sub.close(linger=0)
+        with self.lock:
+            self.index.drop(replica)
+        if endpoint is None:
+            return
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        subscription = _Subscription(endpoint, replay, sub)
+        self._subs[replica] = subscription
+        poller.register(sub, zmq.POLLIN)
+        # What it held before this router listened: everything its replay buffer still has.
+        self._replay(replica, subscription, 0)
+        caught_up = self._caught_up.get(replica)
+        if caught_up is not None:
+            caught_up.set()
+
+    def _read(self, replica: Hashable, subscription: _Subscription) -> None:
+        while True:
+            try:
+                _, seq_bytes, payload = subscription.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq <= subscription.last_seq:
+                continue  # replayed already
+            if seq > subscription.last_seq + 1 and subscription.last_seq >= 0:
+                self._replay(replica, subscription, subscription.last_seq + 1)  # a gap
+                if seq <= subscription.last_seq:
+                    continue
+            self._apply(replica, subscription, seq, payload)
+
+    def _replay(self, replica: Hashable, subscription: _Subscription, start: int) -> None:
+        if subscription.replay_endpoint is None:
+            return
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.connect(subscription.replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while dealer.poll(_REPLAY_TIMEOUT_MS):
+                _, seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == END_OF_REPLAY:
+                    return
+                seq = int.from_bytes(seq_bytes, "big")
+                if seq > subscription.last_seq:
+                    self._apply(replica, subscription, seq, payload)
+            logger.warning("no end of replay from %s; going on with live events",
+                           subscription.replay_endpoint)
+        finally:
+            dealer.close(linger=0)
+
+    def _apply(self, replica: Hashable, subscription: _Subscription, seq: int,
+               payload: bytes) -> None:
+        try:
+            batch = self._decoder.decode(payload)
+        except Exception:  # noqa: BLE001 - one bad batch must not stop the feed
+            logger.warning("undecodable KV event batch %d from %s", seq, subscription.endpoint)
+            return
+        with self.lock:
+            self.index.apply(replica, batch)
+        subscription.last_seq = seq
+
+
+class KVRouting:
+    """Owns the routing decision (the module docstring's cost) and the blocks this router
+    sent each replica since that replica's last load report."""
+
+    def __init__(self, overlap_weight: float = 1.0, seed: int | None = None) -> None:
+        self.overlap_weight = overlap_weight
+        self._sent: dict[Hashable, tuple[Any, int]] = {}  # replica -> (report id, blocks)
+        self._rng = random.Random(seed)
+
+    def costs(self, num_blocks: int, cached: dict[Hashable, int],
+              reports: dict[Hashable, dict[str, Any]]) -> dict[Hashable, float]:
+        costs = {}
+        for replica, hit in cached.items():
+            report = reports.get(replica) or {}
+            held = int(report.get("num_blocks", 0)) - int(report.get("num_free_blocks", 0))
+            report_id, sent = self._sent.get(replica, (None, 0))
+            if report_id != report.get("report"):
+                sent = 0  # that report counts what it was sent before
+            costs[replica] = self.overlap_weight * (num_blocks - hit) + max(held, 0) + sent
+        return costs
+
+    def choose(self, num_blocks: int, cached: dict[Hashable, int],
+               reports: dict[Hashable, dict[str, Any]]) -> list[Hashable]:
+        """The candidates, cheapest first (ties: the longer cached prefix, then at random);
+        the blocks the chosen one must newly hold for it are counted as its load until its
+        next report."""
+        costs = self.costs(num_blocks, cached, reports)
+        order = sorted(costs, key=lambda r: (costs[r], -cached[r], self._rng.random()))
+        chosen = order[0]
+        report = (reports.get(chosen) or {}).get("report")
+        report_id, sent = self._sent.get(chosen, (None, 0))
+        new_blocks = num_blocks - cached[chosen]
+        self._sent[chosen] = (report, (sent if report_id == report else 0) + new_blocks)
+        return order
+
+    def forget(self, replica: Hashable) -> None:
+        self._sent.pop(replica, None)
+
+
+class KVAwareRouter(FIFOMixin, RequestRouter):
+    """A Serve request router that sends each request where its prefix is cached, by the
+    replicas' own KV-cache events, weighed against their load (see the module docstring)."""
+
+    def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
+                         overlap_weight: float = 1.0, seed: int | None = None) -> None:
+        self._blocks = PromptBlocks(block_size, tokenizer)
+        self._routing = KVRouting(overlap_weight, seed)
+        self._feed = KVEventFeed()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        self._follow(candidate_replicas)
+        # A replica just followed (this router started, or it did): wait briefly for its
+        # replay, so the first requests already go where their prefixes are.
+        for _ in range(_CATCH_UP_POLLS):
+            if all(self._feed.caught_up(r.replica_id) for r in candidate_replicas):
+                break
+            await asyncio.sleep(_CATCH_UP_POLL_S)
+        hashes = (self._blocks.hashes(pending_request.args, pending_request.kwargs)
+                  if pending_request is not None else [])
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        with self._feed.lock:
+            cached = self._feed.index.cached_prefix(hashes, list(by_id))
+        reports = {rid: r.routing_stats or {} for rid, r in by_id.items()}
+        order = self._routing.choose(len(hashes), cached, reports)
+        return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]] if len(order) > 1 else [
+            [by_id[order[0]]]]
+
+    def _follow(self, candidates: list[RunningReplica]) -> None:
+        """Subscribe to every replica that advertises its events; drop the ones gone."""
+        current = {r.replica_id: r for r in self.curr_replicas.values()}
+        current.update({r.replica_id: r for r in candidates})
+        for gone in self._feed.watched() - set(current):
+            self._feed.unwatch(gone)
+            self._routing.forget(gone)
+        for replica_id, replica in current.items():
+            endpoints = (replica.routing_stats or {}).get("kv_events") or {}
+            if endpoints.get("endpoint"):
+                self._feed.watch(replica_id, endpoints["endpoint"],
+                                 endpoints.get("replay_endpoint"))
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._feed.shutdown()
