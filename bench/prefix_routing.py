@@ -1,5 +1,5 @@
-"""Prefix-aware routing against Serve's power of two choices, side by side in one run, on a
-shared-prefix workload: many users, a few long system prompts, two replicas.
+"""KV-aware and prefix-aware routing against Serve's power of two choices, side by side in one
+run, on a shared-prefix workload: many users, a few long system prompts, two replicas.
 
 Each router gets a fresh `tokenflow serve` (its own Ray cluster, the default serving mode) with
 two LLMServer replicas of `--config` (the model replaced by `--model`; `--num-blocks` KV blocks
@@ -7,9 +7,15 @@ each: by default room for about half of the system prompts, so a replica that is
 them keeps evicting them), then the same seeded trace (`bench.datasets.multi_prefix_requests`)
 at `--concurrency` requests in flight. Reported per router: the prefix-cache hit rate (cached
 prompt tokens over prompt tokens, from each response's usage), output throughput and TTFT;
-then prefix-aware over power of two. Writes JSON only where `--out` says.
+then each over power of two. Writes JSON only where `--out` says.
+
+`--restart-router` is the second workload: halfway through the trace the router's process
+(HAProxy's ingress request router, which holds the Serve request router) is killed, and Serve
+starts another. `prefix_aware` starts over knowing nothing; `kv_aware` replays what each
+replica's KV cache holds from its event stream.
 
     python bench/prefix_routing.py
+    python bench/prefix_routing.py --restart-router
     python bench/prefix_routing.py --num-prefixes 8 --prefix-len 400 --num-prompts 200
 """
 
@@ -21,8 +27,12 @@ import json
 import math
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
+import psutil
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,7 +42,7 @@ from bench.serve import http_send_fn, run_benchmark  # noqa: E402
 from bench.serve_overhead import Server  # noqa: E402
 from tokenflow.config import load_app_config  # noqa: E402
 
-ROUTERS = ("prefix_aware", "power_of_two")
+ROUTERS = ("kv_aware", "prefix_aware", "power_of_two")
 
 
 async def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
@@ -43,11 +53,40 @@ async def measure(server: Server, args: argparse.Namespace) -> dict[str, Any]:
         await run_benchmark(send, random_requests(8, 16, 4, args.seed + 1), math.inf, 4,
                             progress=False)
         send.prompt_tokens = send.cached_tokens = 0
-        result = await run_benchmark(send, requests, math.inf, args.concurrency, args.seed,
-                                     progress=False)
+        if not args.restart_router:
+            result = await run_benchmark(send, requests, math.inf, args.concurrency, args.seed,
+                                         progress=False)
+        else:  # the second half after the router's restart: only that half is measured
+            half = len(requests) // 2
+            await run_benchmark(send, requests[:half], math.inf, args.concurrency, args.seed,
+                                progress=False)
+            await asyncio.to_thread(restart_router, server)
+            send.prompt_tokens = send.cached_tokens = 0
+            result = await run_benchmark(send, requests[half:], math.inf, args.concurrency,
+                                         args.seed, progress=False)
         hit_rate = send.cached_tokens / max(send.prompt_tokens, 1)
     return {"hit_rate": hit_rate, "result": result.to_dict(per_request=False),
             "summary": result.summary_line()}
+
+
+def restart_router(server: Server, timeout_s: float = 180) -> None:
+    """Kill the router's process and return once a new one routes requests again."""
+    [router] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if "ServeReplica:tokenflow:ReplicaRouter" in " ".join(p.cmdline())]
+    router.kill()
+    router.wait(30)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                           json={"prompt": "warm up", "max_tokens": 1})
+            if r.status_code == 200:
+                time.sleep(3)  # the replicas' load reports reach the new router
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("no router came back")
 
 
 def report(results: dict[str, dict[str, Any]]) -> str:
@@ -59,13 +98,15 @@ def report(results: dict[str, dict[str, Any]]) -> str:
                      f"{res['output_throughput']:.1f} | {res['request_throughput']:.2f} | "
                      f"{res['ttft_ms']['p50']:.0f} | {res['ttft_ms']['p90']:.0f} | "
                      f"{res['failed']} |")
-    if set(ROUTERS) <= set(results):
-        ours, theirs = results["prefix_aware"]["result"], results["power_of_two"]["result"]
-        lines += ["", f"prefix_aware / power_of_two: throughput "
-                      f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
-                      f"TTFT p50 {ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:.2f}x "
-                      f"({100 * (1 - ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']):.0f}% "
-                      "lower)"]
+    if "power_of_two" in results:
+        theirs = results["power_of_two"]["result"]
+        lines.append("")
+        for router in (r for r in results if r != "power_of_two"):
+            ours = results[router]["result"]
+            ttft = ours["ttft_ms"]["p50"] / theirs["ttft_ms"]["p50"]
+            lines.append(f"{router} / power_of_two: throughput "
+                         f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+                         f"TTFT p50 {ttft:.2f}x ({100 * (1 - ttft):.0f}% lower)")
     return "\n".join(lines)
 
 
@@ -84,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="KV blocks per replica, of 16 tokens (default 160: room for about half "
                         "of the default system prompts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart-router", action="store_true",
+                   help="kill the router's process halfway; measure the second half")
     p.add_argument("--out", help="write the result JSON to this file")
     args = p.parse_args(argv)
     base = load_app_config(args.config).model_dump(mode="json", exclude_unset=True)

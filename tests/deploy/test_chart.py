@@ -180,10 +180,12 @@ def test_every_pod_gets_the_serving_modes_switches(mode: ServingMode | None) -> 
         assert _env(template["spec"]["containers"][0]) == expected
 
 
+@pytest.mark.parametrize("router", ["prefix_aware", "kv_aware"])
 @pytest.mark.parametrize("mode", list(ServingMode))
-def test_the_prefix_aware_router_gets_the_request_body_from_haproxy(mode: ServingMode) -> None:
+def test_a_router_that_reads_the_prompt_gets_the_request_body_from_haproxy(
+        mode: ServingMode, router: str) -> None:
     values = {"tokenflow": {"serving_mode": mode.value,
-                            "deployment": {"request_router": "prefix_aware"}}}
+                            "deployment": {"request_router": router}}}
     expected = {**_serving_env(mode), **body_forwarding(mode, True)}
     assert (FORWARD_BODY in expected) == (mode is ServingMode.HAPROXY)
     for template in _pod_templates(_service(render(values))):
@@ -246,8 +248,10 @@ def test_presets_follow_the_config_files() -> None:
         local = AppConfig.model_validate(yaml.safe_load((configs / file).read_text()))
         if section:
             # Helm drops a null value, so the chart's num_replicas is the default (1), which
-            # Serve ignores next to an autoscaling_config: compare what Serve gets.
-            assert server_options(chart) == server_options(local)
+            # Serve ignores next to an autoscaling_config: compare what Serve gets (of the
+            # deployment section: the chart's model is its own).
+            same_engine = chart.model_copy(update={"engine": local.engine})
+            assert server_options(same_engine) == server_options(local)
             continue
         pod = local.model_copy(update={"host": "0.0.0.0"})
         pod = pod.model_copy(update={"engine": local.engine.model_copy(update={
