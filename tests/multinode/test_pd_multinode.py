@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation across real nodes: the prefill replica on one namespace node,
 the decode replica on another, so the prompts' KV crosses a veth link, on both transports. The
 served text equals a colocated engine's, and the decode replica's KV-cache events reach a
-subscriber on another node."""
+subscriber on another node, and the kv_aware router's feed there replays what it holds."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import json, os, time, httpx, ray, zmq
 from ray import serve
 from tests.cluster.conftest import pd_app_args
 from tokenflow.cluster.app import build_app
+from tokenflow.cluster.kv_router import KVEventFeed
 from tokenflow.kv.events import BlockStored, decoder
 
 ray.init(log_to_driver=False)
@@ -75,7 +76,17 @@ for connector in ("torch_p2p", "ray_object_store"):
             stored += [h for e in decoder().decode(payload).events
                        if isinstance(e, BlockStored) for h in e.block_hashes]
         sub.close(linger=0)
-        result[connector]["kv_events"] = {**endpoints, "stored": stored}
+        # The kv_aware router's feed, started here after the fact: it learns from the
+        # replica's replay socket, across the link, what the replica holds.
+        feed = KVEventFeed()
+        feed.watch("decode", endpoints["endpoint"], endpoints["replay_endpoint"])
+        deadline = time.monotonic() + 30
+        while not feed.caught_up("decode") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with feed.lock:
+            indexed = sorted(feed.index.hashes("decode"))
+        feed.shutdown()
+        result[connector]["kv_events"] = {**endpoints, "stored": stored, "indexed": indexed}
     serve.delete("pd")
 serve.shutdown()
 print(json.dumps(result))
@@ -107,3 +118,4 @@ def test_prefill_and_decode_on_two_nodes(netns_cluster: NamespaceCluster) -> Non
         hashes: list[int] = []
         extend_block_hashes(hashes, llm.engine.process_inputs("x", prompt).prompt_token_ids, 16)
         assert hashes and set(hashes) <= set(events["stored"]), prompt
+        assert set(hashes) <= set(events["indexed"]), prompt  # the late router's index

@@ -109,8 +109,9 @@ class KVBlockIndex:
                 break
         return matched
 
-    def num_blocks(self, replica: Hashable) -> int:
-        return len(self._held.get(replica, ()))
+    def hashes(self, replica: Hashable) -> set[int]:
+        """The block hashes `replica` holds, in any tier."""
+        return set(self._held.get(replica, ()))
 
 
 @dataclass
