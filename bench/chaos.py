@@ -430,8 +430,9 @@ def kill_prefill(app: AppUnderTest, rng: random.Random) -> Kill:
 
 
 def kill_stage(app: AppUnderTest, rng: random.Random) -> Kill:
-    """`ray.kill` one pipeline stage actor; its replica fails and Serve replaces it (with
-    new stages: the settled check wants every replica's full set back)."""
+    """`ray.kill` one pipeline stage actor; its replica builds its stages again and goes on
+    (or, a second death within a minute of a rebuild, fails and Serve replaces it): either
+    way new stages, and the settled check wants every replica's full set back."""
     name, actor = _pick(rng, stage_actors(), "stage actor")
     wanted = 2 * app.replicas["LLMServer"]
 

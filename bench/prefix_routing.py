@@ -75,17 +75,18 @@ def restart_router(server: Server, timeout_s: float = 180) -> None:
                 if "ServeReplica:tokenflow:ReplicaRouter" in " ".join(p.cmdline())]
     router.kill()
     router.wait(30)
+    # Until a new one has started (Serve's own proxy, which HAProxy falls back to meanwhile,
+    # routes without the prompt), then a moment for HAProxy to ask it again.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            r = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                           json={"prompt": "warm up", "max_tokens": 1})
-            if r.status_code == 200:
-                time.sleep(3)  # the replicas' load reports reach the new router
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+        if [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                if p.pid != router.pid and " ".join(p.cmdline()).strip()
+                == "ray::ServeReplica:tokenflow:ReplicaRouter"]:
+            time.sleep(5)
+            httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"prompt": "warm up", "max_tokens": 1}).raise_for_status()
+            return
+        time.sleep(0.5)
     raise RuntimeError("no router came back")
 
 
