@@ -151,6 +151,10 @@ class ParallelConfig(_Frozen):
     distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
     # A stage that has not answered a step for this long is taken for dead.
     step_timeout_s: float = Field(default=600.0, gt=0)
+    # A dead stage is built again in place (its requests start over from their tokens) at
+    # most this many times a minute; one more death fails the requests and the replica (a
+    # request or memory that kills it would otherwise do so forever). 0: never rebuild.
+    stage_rebuilds_per_minute: int = Field(default=3, ge=0)
     # How the engine sends each step to the stages. compiled_graph (a Ray Compiled Graph)
     # answers in well under a millisecond, but its reads spin: the driver burns a whole core
     # while it waits. actor_calls (plain Ray calls) cost a few ms a step and no idle CPU.

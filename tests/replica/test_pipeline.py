@@ -144,11 +144,12 @@ def test_a_dead_stage_is_rebuilt_once_and_its_requests_go_on(cluster: Cluster,
                                                            checkpoint) -> None:
     """Stage 0 dies mid-generation: the executor builds both stages again in the same bundles
     and every request starts over from its tokens, ending with the tokens it would have had
-    (greedy). A second death within the window fails the requests and nothing hangs."""
+    (greedy). One death more than `stage_rebuilds_per_minute` (here 1) allows fails the
+    requests, and nothing hangs."""
     from tokenflow.replica.worker.ray_executor import StageDiedError
 
     before = _live_actors_and_groups()
-    llm = LLM(str(checkpoint), num_blocks=128, **PP2)
+    llm = LLM(str(checkpoint), num_blocks=128, stage_rebuilds_per_minute=1, **PP2)
     try:
         engine = llm.engine
         executor = engine.executor

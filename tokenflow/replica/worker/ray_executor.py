@@ -16,9 +16,10 @@ group; elsewhere (the offline `LLM`, tests) the executor creates its own group a
 on shutdown. A stage that dies fails the step it was in (and every other step in flight): the
 executor kills the other stages, so none of them hangs in a receive. `recover()` then builds
 the whole pipeline again in the same bundles (Ray places a bundle whose node died elsewhere, if
-the cluster can), with empty KV caches; the engine starts its requests over. A stage that dies
-again within `REBUILD_WINDOW_S` of a rebuild (a request or memory that kills it) leaves the
-executor dead, and the replica unhealthy for Serve to replace.
+the cluster can), with empty KV caches; the engine starts its requests over. At most
+`parallel.stage_rebuilds_per_minute` rebuilds in any `REBUILD_WINDOW_S`: a stage that dies more
+often (a request or memory that kills it) leaves the executor dead, and the replica unhealthy
+for Serve to replace.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import ray
@@ -132,7 +134,7 @@ class RayExecutor:
         self._pings: list[ray.ObjectRef] = []
         self._graph: Any = None
         self.num_rebuilds = 0
-        self._last_rebuild = -REBUILD_WINDOW_S
+        self._rebuilds: deque[float] = deque()  # when each rebuild in the window began
         # The rule the Serve options reserved the replica's bundles by.
         use_gpu = stages_use_gpu(config.model.device, cluster_gpus())
         self.kv_medium = "GPU" if use_gpu else "CPU"
@@ -223,8 +225,12 @@ class RayExecutor:
             return StageDiedError(self._failure)
 
     def may_recover(self) -> bool:
-        """Whether `recover()` would try a rebuild (none in the last `REBUILD_WINDOW_S`)."""
-        return time.monotonic() - self._last_rebuild > REBUILD_WINDOW_S
+        """Whether `recover()` would try a rebuild (fewer than the configured number in the
+        last `REBUILD_WINDOW_S`)."""
+        now = time.monotonic()
+        while self._rebuilds and now - self._rebuilds[0] > REBUILD_WINDOW_S:
+            self._rebuilds.popleft()
+        return len(self._rebuilds) < self._config.parallel.stage_rebuilds_per_minute
 
     def recover(self) -> bool:
         """After a stage died: build every stage again in the same bundles, with empty KV
@@ -237,7 +243,7 @@ class RayExecutor:
                 return True
             if not self.may_recover():
                 return False
-            self._last_rebuild = time.monotonic()
+            self._rebuilds.append(time.monotonic())
             self._rebuilding, self._pings = True, []
             failure = self._failure
         logger.warning("rebuilding the pipeline after: %s", failure)
@@ -258,7 +264,6 @@ class RayExecutor:
         with self._lock:
             self._failure, self._rebuilding = None, False
             self.num_rebuilds += 1
-            self._last_rebuild = time.monotonic()  # the window runs from when it serves again
         return True
 
     def check_health(self) -> None:
