@@ -234,37 +234,45 @@ class RayExecutor:
 
     def recover(self) -> bool:
         """After a stage died: build every stage again in the same bundles, with empty KV
-        caches of the same size. True when steps can run again (every request and all KV the
-        old stages held are gone); False when the pipeline stays dead (a second death within
-        the window, or the new stages did not come up). Runs on the engine's thread; health
-        checks meanwhile pass (`_rebuilding`) and send no pings."""
+        caches of the same size (again, while the budget lasts, if a new stage dies while it
+        starts). True when steps can run again (every request and all KV the old stages held
+        are gone); False when the pipeline stays dead (past the budget, or the new stages did
+        not come up). Runs on the engine's thread; health checks meanwhile pass
+        (`_rebuilding`) and send no pings."""
         with self._lock:
             if self._failure is None:
                 return True
-            if not self.may_recover():
-                return False
-            self._rebuilds.append(time.monotonic())
-            self._rebuilding, self._pings = True, []
             failure = self._failure
-        logger.warning("rebuilding the pipeline after: %s", failure)
+            self._rebuilding, self._pings = True, []
         try:
-            self._actors = self._create_actors()
-            blocks = self._start(_REBUILD_TIMEOUT_S)
-            if min(blocks) < self.num_blocks:
-                raise RuntimeError(f"the new stages hold {min(blocks)} KV blocks, not "
-                                   f"{self.num_blocks}")
-            self._init_caches()
-        except Exception as exc:  # it stays dead; the replica reports unhealthy
-            self._kill_actors()
+            while self.may_recover():
+                self._rebuilds.append(time.monotonic())
+                logger.warning("rebuilding the pipeline after: %s", failure)
+                try:
+                    self._rebuild()
+                except Exception as exc:  # a new stage died too, or never came up
+                    self._kill_actors()
+                    failure = f"{failure}; rebuilding it failed: {exc!r}"
+                    logger.error("%s", failure)
+                    continue
+                with self._lock:
+                    self._failure = None
+                    self.num_rebuilds += 1
+                return True
             with self._lock:
-                self._failure = f"{failure}; rebuilding it failed: {exc!r}"
-                self._rebuilding = False
-            logger.error("%s", self._failure)
+                self._failure = failure
             return False
-        with self._lock:
-            self._failure, self._rebuilding = None, False
-            self.num_rebuilds += 1
-        return True
+        finally:
+            with self._lock:
+                self._rebuilding = False
+
+    def _rebuild(self) -> None:
+        self._actors = self._create_actors()
+        blocks = self._start(_REBUILD_TIMEOUT_S)
+        if min(blocks) < self.num_blocks:
+            raise RuntimeError(f"the new stages hold {min(blocks)} KV blocks, not "
+                               f"{self.num_blocks}")
+        self._init_caches()
 
     def check_health(self) -> None:
         """Raise if a stage died and the pipeline cannot be rebuilt (a death the engine's
