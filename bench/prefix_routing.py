@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="KV blocks per replica, of 16 tokens (default 160: room for about half "
                         "of the default system prompts)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap-weight", type=float,
+                   help="kv_aware: deployment.router_overlap_weight (default: the config's)")
     p.add_argument("--restart-router", action="store_true",
                    help="kill the router's process halfway; measure the second half")
     p.add_argument("--out", help="write the result JSON to this file")
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config["deployment"] = {**config.get("deployment", {}), "num_replicas": 2,
                                 "request_router": router,
                                 "ray_actor_options": {"num_cpus": 0.5}}
+        if args.overlap_weight is not None:
+            config["deployment"]["router_overlap_weight"] = args.overlap_weight
         server = Server(config, log_dir / f"{router}.log")
         try:
             server.wait_ready()

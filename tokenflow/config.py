@@ -390,8 +390,9 @@ class DeploymentConfig(_Frozen):
     request_router: Literal["power_of_two", "prefix_aware", "kv_aware",
                             "least_connections"] = "power_of_two"
     router_imbalanced_threshold: int = Field(default=8, ge=0)
-    # kv_aware: the weight of a block to prefill against a block of KV held by running requests.
-    router_overlap_weight: float = Field(default=1.0, ge=0)
+    # kv_aware: the weight of a block to prefill against a block of KV held by running
+    # requests (bench/README.md, "The KV-aware router": 1 routed like power of two choices).
+    router_overlap_weight: float = Field(default=4.0, ge=0)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
 
     @property

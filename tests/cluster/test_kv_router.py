@@ -120,18 +120,20 @@ def test_the_cost_weighs_prefill_saved_against_kv_load() -> None:
     # ...but not when its running requests hold 60 blocks more than b's (2 + 60 > 12).
     assert routing.choose(12, {"a": 10, "b": 0}, {"a": busy, "b": dict(idle, report=2)})[0] == "b"
     # A tie goes to the longer cached prefix.
-    assert KVRouting().choose(4, {"a": 2, "b": 1}, {"a": dict(idle, num_free_blocks=99),
+    assert KVRouting(1.0).choose(4, {"a": 2, "b": 1}, {"a": dict(idle, num_free_blocks=99),
                                                     "b": idle})[0] == "a"
-    # The blocks a request makes a replica newly hold count as its load, until its next
-    # report (which counts them itself)...
-    fresh = KVRouting(seed=0)
+    # A request's blocks count as its replica's load, until its next report (which counts
+    # them itself)...
+    fresh = KVRouting(1.0, seed=0)
     reports = {"a": dict(idle), "b": dict(idle)}
     first = fresh.choose(8, {"a": 0, "b": 0}, reports)[0]
     assert fresh.costs(8, {"a": 0, "b": 0}, reports)[first] == 16
     assert fresh.choose(8, {"a": 0, "b": 0}, reports)[0] != first
     reports[first] = dict(idle, report=2)
     assert fresh.costs(8, {"a": 0, "b": 0}, reports)[first] == 8
-    # ...and a request whose prompt is cached whole adds nothing.
-    warm = KVRouting(seed=0)
-    for _ in range(5):
-        assert warm.choose(8, {"a": 8, "b": 0}, {"a": idle, "b": idle})[0] == "a"
+    # ...also for a request whose prompt is cached whole (it decodes there all the same):
+    # with weight 1, a cached 8-block prompt goes to its replica until that one has been sent
+    # 8 blocks more than the other.
+    warm = KVRouting(1.0, seed=0)
+    assert [warm.choose(8, {"a": 8, "b": 0}, {"a": idle, "b": idle})[0]
+            for _ in range(3)] == ["a", "a", "b"]

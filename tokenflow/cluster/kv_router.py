@@ -15,7 +15,7 @@ The choice, per candidate replica r, for a prompt of B full blocks (`KVRouting.c
     cost(r) = overlap_weight * (B - cached_prefix_blocks(r)) + active_blocks(r)
 
 the blocks r would have to prefill plus the KV blocks its running requests hold (its last load
-report, once a second, plus the blocks each request this router sent it since must newly hold)
+report, once a second, plus the prompt blocks of each request this router sent it since)
 -- the two terms of Dynamo's KV router cost (prefill work, decode load), written for this
 codebase. The cheapest replica is tried first (on a tie, the one with the longer cached
 prefix), the rest follow by cost.
@@ -258,7 +258,7 @@ class KVRouting:
     """Owns the routing decision (the module docstring's cost) and the blocks this router
     sent each replica since that replica's last load report."""
 
-    def __init__(self, overlap_weight: float = 1.0, seed: int | None = None) -> None:
+    def __init__(self, overlap_weight: float = 4.0, seed: int | None = None) -> None:
         self.overlap_weight = overlap_weight
         self._sent: dict[Hashable, tuple[Any, int]] = {}  # replica -> (report id, blocks)
         self._rng = random.Random(seed)
@@ -278,15 +278,15 @@ class KVRouting:
     def choose(self, num_blocks: int, cached: dict[Hashable, int],
                reports: dict[Hashable, dict[str, Any]]) -> list[Hashable]:
         """The candidates, cheapest first (ties: the longer cached prefix, then at random);
-        the blocks the chosen one must newly hold for it are counted as its load until its
-        next report."""
+        the request's blocks are counted as the chosen one's load until its next report (a
+        request whose prefix is cached still decodes there: counting only its new blocks sent
+        every such request to one replica)."""
         costs = self.costs(num_blocks, cached, reports)
         order = sorted(costs, key=lambda r: (costs[r], -cached[r], self._rng.random()))
         chosen = order[0]
         report = (reports.get(chosen) or {}).get("report")
         report_id, sent = self._sent.get(chosen, (None, 0))
-        new_blocks = num_blocks - cached[chosen]
-        self._sent[chosen] = (report, (sent if report_id == report else 0) + new_blocks)
+        self._sent[chosen] = (report, (sent if report_id == report else 0) + max(num_blocks, 1))
         return order
 
     def forget(self, replica: Hashable) -> None:
@@ -298,7 +298,7 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     replicas' own KV-cache events, weighed against their load (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
-                         overlap_weight: float = 1.0, seed: int | None = None) -> None:
+                         overlap_weight: float = 4.0, seed: int | None = None) -> None:
         self._blocks = PromptBlocks(block_size, tokenizer)
         self._routing = KVRouting(overlap_weight, seed)
         self._feed = KVEventFeed()
