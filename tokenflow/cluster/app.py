@@ -62,6 +62,25 @@ def engine_for(engine: EngineConfig, deployment: DeploymentConfig) -> EngineConf
     return engine.model_copy(update={"kv_events": events})
 
 
+def prompt_router_config(engine: EngineConfig, deployment: DeploymentConfig) -> dict[str, Any]:
+    """Serve's `request_router_config` for a router that routes on the prompt's block hashes
+    (prefix_aware, kv_aware): its class, the block size and tokenizer it hashes with, its own
+    knob, and how often the replicas report their load (kv_aware: also where they publish)."""
+    model = engine.model
+    if deployment.request_router == "prefix_aware":
+        cls, knob = "tokenflow.cluster.prefix_router:PrefixAwareRouter", {
+            "imbalanced_threshold": deployment.router_imbalanced_threshold}
+        period_s = 2.0  # for when Serve has no queue length at hand
+    else:
+        cls, knob = "tokenflow.cluster.kv_router:KVAwareRouter", {
+            "overlap_weight": deployment.router_overlap_weight}
+        period_s = 1.0  # its load term (held KV blocks) comes from these reports
+    return {"request_router_class": cls,
+            "request_router_kwargs": {"block_size": engine.cache.block_size,
+                                      "tokenizer": model.tokenizer or model.model, **knob},
+            "request_routing_stats_period_s": period_s}
+
+
 def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> dict[str, Any]:
     """An LLMServer deployment's Serve options (num_replicas xor autoscaling_config; with
     pipeline stages, the placement group each replica reserves for them)."""
@@ -77,26 +96,8 @@ def deployment_options(engine: EngineConfig, deployment: DeploymentConfig) -> di
         options["placement_group_bundles"] = replica_bundles(engine,
                                                              deployment.ray_actor_options)
         options["placement_group_strategy"] = parallel.placement_strategy
-    if deployment.request_router == "prefix_aware":
-        model = engine.model
-        options["request_router_config"] = {
-            "request_router_class": "tokenflow.cluster.prefix_router:PrefixAwareRouter",
-            "request_router_kwargs": {
-                "block_size": engine.cache.block_size,
-                "tokenizer": model.tokenizer or model.model,
-                "imbalanced_threshold": deployment.router_imbalanced_threshold},
-            # The replicas' own load reports, for when Serve has no queue length at hand.
-            "request_routing_stats_period_s": 2.0}
-    elif deployment.request_router == "kv_aware":
-        model = engine.model
-        options["request_router_config"] = {
-            "request_router_class": "tokenflow.cluster.kv_router:KVAwareRouter",
-            "request_router_kwargs": {
-                "block_size": engine.cache.block_size,
-                "tokenizer": model.tokenizer or model.model,
-                "overlap_weight": deployment.router_overlap_weight},
-            # Each replica's KV load (and where it publishes its events), once a second.
-            "request_routing_stats_period_s": 1.0}
+    if deployment.router_reads_prompt:
+        options["request_router_config"] = prompt_router_config(engine, deployment)
     if deployment.autoscaling_config is not None:
         options["autoscaling_config"] = deployment.autoscaling_config.serve_options()
     else:
