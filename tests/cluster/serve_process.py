@@ -51,8 +51,26 @@ class ServeProcess:
         return "\n".join(f.read_text(errors="replace") for f in files)
 
     def ray_processes(self) -> list[psutil.Process]:
-        children = psutil.Process(self.proc.pid).children(recursive=True)
-        return [p for p in children if p.name() in ("raylet", "gcs_server")]
+        return self.processes_named("raylet") + self.processes_named("gcs_server")
+
+    def processes_named(self, name: str) -> list[psutil.Process]:
+        """Its live descendants whose executable is called `name`."""
+        return [p for p, cmdline in self.descendants(name)
+                if cmdline and Path(cmdline.split()[0]).name == name]
+
+    def descendants(self, fragment: str = "") -> list[tuple[psutil.Process, str]]:
+        """Its live descendants whose command line contains `fragment`, with that line.
+        A process that exits while we look is skipped (Ray starts and reaps workers all the
+        time: reading a vanished one's cmdline raises)."""
+        found = []
+        for proc in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if fragment in cmdline:
+                found.append((proc, cmdline))
+        return found
 
     def stop(self) -> int:
         if self.proc.poll() is None:

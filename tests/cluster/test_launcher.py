@@ -63,8 +63,7 @@ def _answers(port: int) -> bool:
 
 
 def _haproxy(server: ServeProcess) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-            if p.name() == "haproxy"]
+    return server.processes_named("haproxy")
 
 
 def _gone(process: psutil.Process) -> bool:

@@ -225,15 +225,14 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
 
         # The router's process dies; Serve starts another, which knows nothing of its own
         # and replays what each replica holds: the prefix still goes where it is cached.
-        [router] = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-                    if "ServeReplica:tokenflow:ReplicaRouter" in " ".join(p.cmdline())]
+        [(router, _)] = server.descendants("ServeReplica:tokenflow:ReplicaRouter")
         router.kill()
         # Until the new router has started. Meanwhile HAProxy sends requests to Serve's own
         # proxy, whose router never sees the prompt (it gets the HTTP request, not the body).
         deadline = time.monotonic() + 180
-        while not [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+        while not [p for p, cmdline in server.descendants("ServeReplica:tokenflow:ReplicaRouter")
                    if p.pid != router.pid
-                   and " ".join(p.cmdline()).strip() == "ray::ServeReplica:tokenflow:ReplicaRouter"]:
+                   and cmdline.strip() == "ray::ServeReplica:tokenflow:ReplicaRouter"]:
             assert time.monotonic() < deadline, "no router came back"
             time.sleep(0.5)
         time.sleep(5)  # HAProxy asks it again
@@ -286,8 +285,7 @@ def test_haproxy_balances_by_itself_with_least_connections(offline: LLM,
     server, url = _start(ServingMode.HAPROXY, 2, tmp_path, request_router="least_connections")
     try:
         server.wait_for(READY)
-        deployments = " ".join(" ".join(p.cmdline()) for p in
-                               psutil.Process(server.proc.pid).children(recursive=True))
+        deployments = " ".join(cmdline for _, cmdline in server.descendants())
         assert "ServeReplica:tokenflow:LLMServer" in deployments
         assert "ReplicaRouter" not in deployments
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
@@ -310,9 +308,9 @@ def _wait_for_haproxy_servers_up(server: ServeProcess, num: int, timeout_s: floa
     deadline, up = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:
         up = []
-        for proc in psutil.Process(server.proc.pid).children(recursive=True):
-            args = proc.cmdline()
-            if proc.name() == "haproxy" and "-f" in args:
+        for _, cmdline in server.descendants("haproxy"):
+            args = cmdline.split()
+            if Path(args[0]).name == "haproxy" and "-f" in args:
                 sock = Path(args[args.index("-f") + 1]).parent / "admin.sock"
                 up += [row for row in _haproxy_stat(sock)
                        if row["svname"] not in ("FRONTEND", "BACKEND")
@@ -367,8 +365,7 @@ def _busy_replicas(url: str, num: int = 16) -> set[str]:
 
 
 def _replica_processes(server: ServeProcess) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-            if "ServeReplica:tokenflow:LLMServer" in " ".join(p.cmdline())]
+    return [p for p, _ in server.descendants("ServeReplica:tokenflow:LLMServer")]
 
 
 def _run_briefly(url: str, auth: dict[str, str], run_s: float = 0.05) -> dict[str, Any]:
