@@ -208,6 +208,30 @@ class KVTransferConfig(_Frozen):
     lease_s: float = Field(default=30.0, gt=0)
 
 
+class KVOffloadConfig(_Frozen):
+    """A second KV tier for prefix blocks evicted from the primary pool (kv/connector/
+    offload_*.py): `cpu`, a pool in process memory (pinned on a GPU replica); `disk`, one file
+    per block under `path`. `size_gb` bounds the tier of each pipeline stage (its layers'
+    share of every block). A later request whose prefix was evicted loads it back from here
+    instead of recomputing it; none: off."""
+
+    backend: Literal["none", "cpu", "disk"] = "none"
+    size_gb: float = Field(default=4.0, gt=0)
+    # The disk tier's directory (each stage of each engine writes a subdirectory of its own,
+    # removed at shutdown); required with backend: disk.
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _disk_needs_a_path(self) -> KVOffloadConfig:
+        if self.backend == "disk" and not self.path:
+            raise ValueError("kv_offload.backend: disk needs kv_offload.path (a directory)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+
 class KVEventsConfig(_Frozen):
     """Publishing KV-cache events (blocks stored, removed, all cleared) in vLLM's wire format:
     msgpack batches on a ZeroMQ PUB socket, as vLLM's `KVEventsConfig` sets them up. A replica
@@ -255,6 +279,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    kv_offload: KVOffloadConfig = KVOffloadConfig()
     kv_events: KVEventsConfig = KVEventsConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()

@@ -124,7 +124,9 @@ class BlockPool:
       a second block with the same content stays unregistered rather than steal the entry).
     Freed blocks keep their hash, so a later request can hit them until they are evicted.
     With `medium` set, every change to the cached set is recorded as a KV-cache event
-    (`tokenflow.kv.events`) until `take_events()` drains them.
+    (`tokenflow.kv.events`) until `take_events()` drains them. After `record_evictions()`,
+    every evicted block is recorded too, `(block_id, hash, token_ids)`, until
+    `take_evicted()` drains them (the offload tier copies them out before they are reused).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool, medium: str | None = None) -> None:
@@ -137,6 +139,7 @@ class BlockPool:
         self._cached: dict[int, KVCacheBlock] = {}
         self.medium = medium
         self._events: list[KVCacheEvent] | None = [] if medium is not None else None
+        self._evicted: list[tuple[int, int, tuple[int, ...]]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,8 +172,24 @@ class BlockPool:
         del self._cached[block.block_hash]
         if self._events is not None:
             self._events.append(BlockRemoved([block.block_hash], self.medium))
+        if self._evicted is not None:
+            assert block.token_ids is not None
+            self._evicted.append((block.block_id, block.block_hash, block.token_ids))
         block.block_hash = None
         block.token_ids = None
+
+    def record_evictions(self) -> None:
+        """From now on, record every evicted block for `take_evicted`."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def take_evicted(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Blocks evicted since the last call, in order: (block_id, hash, token_ids). Their
+        KV is still in place until a step the caller has not sent yet writes over it."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events recorded since the last call (none unless recording)."""

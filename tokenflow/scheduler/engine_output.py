@@ -27,6 +27,11 @@ class SchedulerStats:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
+    # The offload tier: prompt tokens loaded from it instead of computed, blocks stored in
+    # it, loads that failed a checksum or found a block missing (recomputed).
+    kv_offload_hit_tokens: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_failures: int = 0
 
     def add(self, step: SchedulerStats) -> None:
         """Add a step's counters to these (totals since start); gauges are not summed."""
@@ -42,7 +47,8 @@ class SchedulerStats:
 # The counters of `SchedulerStats` (increments per step; the other fields are gauges).
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_drafts",
              "num_draft_tokens", "num_accepted_tokens", "kv_transfer_bytes",
-             "kv_transfer_seconds", "kv_transfer_failures")
+             "kv_transfer_seconds", "kv_transfer_failures", "kv_offload_hit_tokens",
+             "kv_offload_stored_blocks", "kv_offload_failures")
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, KVOffloadConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.scheduler.async_scheduler import AsyncScheduler
 from tokenflow.scheduler.grammar import GrammarBackend
 from tokenflow.scheduler.scheduler import Scheduler
@@ -31,17 +31,23 @@ def build_scheduler(
     num_stages: int = 1,
     structured_outputs: GrammarBackend | None = None,
     kv_events_medium: str | None = None,
+    kv_offload: KVOffloadConfig | None = None,
+    num_offload_blocks: int = 0,
 ) -> Scheduler:
     """The configured scheduler class (`AsyncScheduler` with async scheduling, unless a
     `scheduler_cls` is given); `structured_outputs` is the engine's grammar manager
     (a `GrammarBackend`), None where the engine has none; `kv_events_medium`: record KV-cache
-    events, naming the KV cache's tier so (None: none recorded)."""
+    events, naming the KV cache's tier so (None: none recorded); `kv_offload`: the offload tier,
+    of `num_offload_blocks` blocks (what every stage's store holds)."""
     cls: type[Scheduler] = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
     if scheduler_config.scheduler_cls:
         cls = import_scheduler_cls(scheduler_config.scheduler_cls)
         warnings.warn(
             f"using custom scheduler {scheduler_config.scheduler_cls}: the scheduler interface "
             "is not stable and may change without notice", UserWarning, stacklevel=2)
+    # Only when on: a user's scheduler class written before the tier still builds without it.
+    tier = ({"kv_offload": kv_offload, "num_offload_blocks": num_offload_blocks}
+            if kv_offload is not None and kv_offload.enabled else {})
     return cls(scheduler_config, cache_config, num_blocks, max_model_len, kv_transfer,
                num_stages, structured_outputs=structured_outputs,
-               kv_events_medium=kv_events_medium)
+               kv_events_medium=kv_events_medium, **tier)

@@ -1,5 +1,8 @@
 """The scheduler's side of KV transfer, one helper so that `schedule()` stays the rule.
 
+The offload tier (a connector too, beside the transfer one or alone) parks a request the same
+way while its prefix loads back from CPU memory or disk; a failed load is recomputed.
+
 Consumer: a request whose prompt KV another engine computed (`do_remote_prefill`) gets its
 blocks allocated at admission and waits in WAITING_FOR_REMOTE_KVS, keeping its place in the
 queue, while the workers load them. Loaded and verified, the blocks join the prefix cache and
@@ -33,7 +36,8 @@ class RemoteKV:
     def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager) -> None:
         self.connector = connector
         self.kv = kv
-        self._parked: dict[str, tuple[Request, int]] = {}  # and its tokens once loaded
+        # Each parked request, its tokens once loaded, and the status it returns to.
+        self._parked: dict[str, tuple[Request, int, RequestStatus]] = {}
         self._held: dict[str, Request] = {}
         self._aborted_loading: dict[str, Request] = {}
 
@@ -63,8 +67,12 @@ class RemoteKV:
             request, self.kv.get_block_ids(request.request_id), num_external)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit
+        # A preempted request (its prefix hit the offload tier) resumes as preempted: the
+        # workers still know it.
+        back = (RequestStatus.PREEMPTED if request.status == RequestStatus.PREEMPTED
+                else RequestStatus.WAITING)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._parked[request.request_id] = (request, num_hit + num_external)
+        self._parked[request.request_id] = (request, num_hit + num_external, back)
         return True
 
     def note_admitted(self, request: Request) -> None:
@@ -87,13 +95,14 @@ class RemoteKV:
             parked = self._parked.pop(result.req_id, None)
             if parked is None:
                 continue
-            request, num_loaded = parked
+            request, num_loaded, back = parked
             if result.ok:
                 request.num_computed_tokens = num_loaded
                 self.kv.cache_blocks(request, num_loaded)
-            else:
+            elif request.kv_transfer_params and request.kv_transfer_params.get(
+                    "do_remote_prefill"):
                 request.kv_transfer_params = None  # compute the prompt here instead
-            request.status = RequestStatus.WAITING
+            request.status = back
         for req_id in self.connector.take_releasable(time.monotonic()):
             held = self._held.pop(req_id, None)
             if held is not None:

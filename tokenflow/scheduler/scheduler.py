@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from tokenflow.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from tokenflow.config import CacheConfig, KVOffloadConfig, KVTransferConfig, SchedulerConfig
 from tokenflow.kv import KVCacheBlock, KVCacheManager, extend_block_hashes
-from tokenflow.kv.connector import create_scheduler_connector
+from tokenflow.kv.connector import (
+    combine_schedulers,
+    create_offload_scheduler,
+    create_scheduler_connector,
+)
 from tokenflow.kv.events import KVCacheEvent
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.grammar import GrammarBackend
@@ -69,6 +73,8 @@ class Scheduler:
         num_stages: int = 1,
         structured_outputs: GrammarBackend | None = None,
         kv_events_medium: str | None = None,
+        kv_offload: KVOffloadConfig | None = None,
+        num_offload_blocks: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -77,9 +83,20 @@ class Scheduler:
         self.max_model_len = max_model_len
         # KV transfer (disaggregated prefill/decode), when a connector is configured; every
         # pipeline stage moves its own layers, so a transfer ends when all of them reported.
-        connector = None if kv_transfer is None else create_scheduler_connector(
+        transfer = None if kv_transfer is None else create_scheduler_connector(
             kv_transfer, block_size=self.block_size, num_stages=num_stages,
             get_block_ids=self.kv.get_block_ids)
+        # The offload tier: blocks evicted from the pool are kept in CPU memory or on disk,
+        # and a prefix hit that runs out in the pool goes on there (loaded like a transfer).
+        self.offload = None
+        if kv_offload is not None and cache_config.enable_prefix_caching:
+            self.offload = create_offload_scheduler(
+                kv_offload, block_size=self.block_size, num_stages=num_stages,
+                num_slots=num_offload_blocks, take_evicted=self.kv.pool.take_evicted,
+                record_events=kv_events_medium is not None)
+            if self.offload is not None:
+                self.kv.pool.record_evictions()
+        connector = combine_schedulers(transfer, self.offload)
         self.remote = RemoteKV(connector, self.kv) if connector is not None else None
         self.structured = structured_outputs
         self._grammar_req_ids: set[str] = set()  # live requests with a grammar
@@ -245,8 +262,10 @@ class Scheduler:
                 and not self.kv.num_blocks_held(request.request_id))
 
     def can_restart_all(self) -> bool:
-        """Whether `restart_all` can run: no KV connector (whose transfers live in workers)."""
-        return self.remote is None
+        """Whether `restart_all` can run: no KV connector (whose transfers live in workers),
+        or only the offload tier with no load in flight (it starts over empty)."""
+        return self.remote is None or (self.remote.connector is self.offload
+                                       and not self.remote.has_pending())
 
     def restart_all(self, reason: str) -> None:
         """The workers lost every request and all KV (a pipeline rebuilt after a stage died):
@@ -278,6 +297,8 @@ class Scheduler:
         for request in reversed(restart):
             self.waiting.prepend(request)
         self.finished_req_ids.clear()  # nothing to tell workers that never knew them
+        if self.offload is not None:
+            self.offload.reset()  # the new workers' tiers are empty
         if not self.kv.reset_prefix_cache():
             raise RuntimeError("KV blocks are still held after every request let go of them")
 
@@ -469,7 +490,8 @@ class Scheduler:
     def _admit(self, request: Request, plan: _StepPlan) -> _Admission:
         holds_blocks = self.kv.num_blocks_held(request.request_id) > 0
         hit_blocks, num_hit = self._computed_so_far(request, holds_blocks)
-        if self.remote is not None and request.kv_transfer_params and not holds_blocks:
+        if self.remote is not None and not holds_blocks and (
+                request.kv_transfer_params or self._may_hit_tier(request)):
             parked = self.remote.try_park(request, hit_blocks, num_hit)
             if parked is not False:
                 return _Admission.PARKED if parked else _Admission.FAILED
@@ -489,6 +511,10 @@ class Scheduler:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)
         self._start_running(request, plan, num_hit, num_new)
         return _Admission.ADMITTED
+
+    def _may_hit_tier(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position computed (see `_computed_so_far`).
+        return self.offload is not None and request.sampling_params.prompt_logprobs is None
 
     def _computed_so_far(self, request: Request, holds_blocks: bool
                          ) -> tuple[list[KVCacheBlock], int]:
@@ -617,11 +643,20 @@ class Scheduler:
             stats.num_waiting_for_remote_kvs = self.remote.num_waiting
             (stats.kv_transfer_bytes, stats.kv_transfer_seconds,
              stats.kv_transfer_failures) = self.remote.take_stats()
+        if self.offload is not None:
+            tier = self.offload.take_tier_stats()
+            stats.kv_offload_hit_tokens = tier.hit_tokens
+            stats.kv_offload_stored_blocks = tier.stored_blocks
+            stats.kv_offload_failures = tier.failures
         return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        """The KV-cache events since the last call (the engine drains them once a step)."""
-        return self.kv.take_events()
+        """The KV-cache events since the last call (the engine drains them once a step): the
+        pool's, then the offload tier's."""
+        events = self.kv.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
+        return events

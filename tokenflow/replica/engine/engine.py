@@ -89,7 +89,9 @@ class Engine:
         self.scheduler = build_scheduler(
             config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
             config.kv_transfer, config.parallel.pipeline_parallel_size, self.structured_outputs,
-            kv_events_medium=self.executor.kv_medium if events.enabled else None)
+            kv_events_medium=self.executor.kv_medium if events.enabled else None,
+            kv_offload=config.kv_offload,
+            num_offload_blocks=getattr(self.executor, "num_offload_blocks", 0))
         # Drained once a step (`_finish_step`); published from a thread of its own.
         self.kv_events = KVEventPublisher(events, node_ip()) if events.enabled else None
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
@@ -181,10 +183,12 @@ class Engine:
         return self._finish_step(core_out)
 
     def _worth_executing(self, sched_out: SchedulerOutput) -> bool:
-        """Workers must hear of finished and preempted requests even when nothing runs, and
-        report KV transfers (which end in the background) while any is under way."""
+        """Workers must hear of finished and preempted requests even when nothing runs, carry
+        out connector orders (the offload tier's copies of evicted blocks), and report KV
+        transfers (which end in the background) while any is under way."""
         return bool(sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids
-                    or sched_out.preempted_req_ids or self.scheduler.has_pending_transfers())
+                    or sched_out.preempted_req_ids or sched_out.kv_connector_metadata
+                    or self.scheduler.has_pending_transfers())
 
     def _finish_step(self, core_out: EngineCoreOutputs) -> list[RequestOutput]:
         """Record the step's stats and turn its token deltas into client deltas."""

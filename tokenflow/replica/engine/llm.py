@@ -9,6 +9,7 @@ from tqdm import tqdm
 from tokenflow.config import (
     CacheConfig,
     EngineConfig,
+    KVOffloadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -21,16 +22,20 @@ _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerC
              "parallel": ParallelConfig}
 
 
-def engine_config_from_kwargs(model: str, **kwargs: Any) -> EngineConfig:
-    """Flat keyword arguments (as vLLM's `LLM(...)` takes them) -> one EngineConfig."""
+def engine_config_from_kwargs(model: str, kv_offload: KVOffloadConfig | dict | None = None,
+                              **kwargs: Any) -> EngineConfig:
+    """Flat keyword arguments (as vLLM's `LLM(...)` takes them) -> one EngineConfig;
+    `kv_offload` (a `KVOffloadConfig` or its dict) is the one nested section."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     sections["model"]["model"] = model
+    offload = KVOffloadConfig.model_validate(kv_offload or {})
     for key, value in kwargs.items():
         owner = next((name for name, cls in _SECTIONS.items() if key in cls.model_fields), None)
         if owner is None:
             raise TypeError(f"unknown engine argument {key!r}")
         sections[owner][key] = value
-    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()})
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()},
+                        kv_offload=offload)
 
 
 class LLM:

@@ -29,6 +29,8 @@ class Executor(Protocol):
     vocab_size: int
     # Where the KV cache lives, as KV-cache events name the tier ("GPU" or "CPU").
     kv_medium: str
+    # Blocks the offload tier of every stage holds (0: no tier).
+    num_offload_blocks: int
 
     def execute_model(self, sched_out: SchedulerOutput) -> StepResult: ...
 
@@ -58,6 +60,7 @@ class InProcExecutor:
             config, self.worker.arch.max_position_embeddings, self.num_blocks)
         self.vocab_size = self.worker.arch.vocab_size
         self.kv_medium = "GPU" if self.worker.device.type == "cuda" else "CPU"
+        self.num_offload_blocks = self.worker.num_offload_blocks()
         self.worker.init_cache(self.num_blocks, self.max_model_len)
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="tokenflow-model")
                         if config.scheduler.async_scheduling else None)

@@ -145,6 +145,8 @@ class RayExecutor:
         try:
             blocks = self._start(_START_TIMEOUT_S)
             self.num_blocks = min(blocks)
+            self.num_offload_blocks = min(ray.get(
+                [a.num_offload_blocks.remote() for a in self._actors], timeout=_START_TIMEOUT_S))
             self.max_model_len = resolve_max_model_len(config, arch.max_position_embeddings,
                                                        self.num_blocks)
             self._init_caches()

@@ -9,7 +9,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tokenflow.config import EngineConfig
-from tokenflow.kv.connector import KVConnectorOutput, create_worker_connector
+from tokenflow.kv.connector import (
+    KVConnectorOutput,
+    combine_workers,
+    create_offload_worker,
+    create_worker_connector,
+)
 from tokenflow.net import free_port
 from tokenflow.replica.loading.loader import load_model, resolve_dtype, resolve_quantization
 from tokenflow.replica.loading.resolve import resolve_model
@@ -71,9 +76,13 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.pipe: StagePipe | None = None
         self.timings = StageTimings()
-        # This stage's half of the KV-transfer connector, when one is configured.
-        self.connector = create_worker_connector(
-            config.kv_transfer, "nccl" if self.device.type == "cuda" else "gloo")
+        # This stage's half of the KV-transfer connector and of the offload tier, when
+        # configured (both: side by side, `CompositeWorker`).
+        self.connector = combine_workers(
+            create_worker_connector(config.kv_transfer,
+                                    "nccl" if self.device.type == "cuda" else "gloo"),
+            create_offload_worker(config.kv_offload)
+            if config.cache.enable_prefix_caching else None)
 
     @property
     def num_layers(self) -> int:
@@ -106,6 +115,13 @@ class Worker:
         if cache.num_blocks is not None:
             return cache.num_blocks
         return max(1, cache.kv_cache_memory_bytes // self.bytes_per_block())
+
+    def num_offload_blocks(self) -> int:
+        """Blocks of this stage's layers the offload tier holds in `size_gb` (0: no tier)."""
+        offload = self.config.kv_offload
+        if not offload.enabled or not self.config.cache.enable_prefix_caching:
+            return 0
+        return max(1, int(offload.size_gb * 2**30) // self.bytes_per_block())
 
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         arch, bs = self.arch, self.config.cache.block_size
