@@ -111,29 +111,50 @@ def test_a_gap_in_the_live_sequence_is_replayed() -> None:
         publisher.shutdown()
 
 
-def test_the_cost_weighs_prefill_saved_against_kv_load() -> None:
-    routing = KVRouting(overlap_weight=1.0, seed=0)
-    idle = {"num_blocks": 100, "num_free_blocks": 100, "report": 1}
-    busy = {"num_blocks": 100, "num_free_blocks": 40, "report": 1}  # 60 blocks held
-    # 10 of 12 blocks cached on a: a is cheaper (2 to prefill) while both are idle...
-    assert routing.choose(12, {"a": 10, "b": 0}, {"a": idle, "b": idle})[0] == "a"
-    # ...but not when its running requests hold 60 blocks more than b's (2 + 60 > 12).
-    assert routing.choose(12, {"a": 10, "b": 0}, {"a": busy, "b": dict(idle, report=2)})[0] == "b"
+def test_the_cost_weighs_prefill_saved_against_load() -> None:
+    def first(weight: float, cached: dict[str, int], loads: dict[str, int]) -> str:
+        return KVRouting(weight, seed=0).choose(hashes, cached, loads, now=0.0)[0]
+
+    hashes = list(range(12))
+    # 10 of 12 blocks cached on a: a is cheaper (2 blocks to prefill) while both are idle...
+    assert first(1.0, {"a": 10, "b": 0}, {"a": 0, "b": 0}) == "a"
+    # ...but not with one request more than b (2 + 12 > 12 + 0).
+    assert first(1.0, {"a": 10, "b": 0}, {"a": 1, "b": 0}) == "b"
+    # With weight 4 a whole cached prompt is worth four requests of imbalance.
+    assert first(4.0, {"a": 12, "b": 0}, {"a": 3, "b": 0}) == "a"
+    assert first(4.0, {"a": 12, "b": 0}, {"a": 5, "b": 0}) == "b"
     # A tie goes to the longer cached prefix.
-    assert KVRouting(1.0).choose(4, {"a": 2, "b": 1}, {"a": dict(idle, num_free_blocks=99),
-                                                    "b": idle})[0] == "a"
-    # A request's blocks count as its replica's load, until its next report (which counts
-    # them itself)...
-    fresh = KVRouting(1.0, seed=0)
-    reports = {"a": dict(idle), "b": dict(idle)}
-    first = fresh.choose(8, {"a": 0, "b": 0}, reports)[0]
-    assert fresh.costs(8, {"a": 0, "b": 0}, reports)[first] == 16
-    assert fresh.choose(8, {"a": 0, "b": 0}, reports)[0] != first
-    reports[first] = dict(idle, report=2)
-    assert fresh.costs(8, {"a": 0, "b": 0}, reports)[first] == 8
-    # ...also for a request whose prompt is cached whole (it decodes there all the same):
-    # with weight 1, a cached 8-block prompt goes to its replica until that one has been sent
-    # 8 blocks more than the other.
-    warm = KVRouting(1.0, seed=0)
-    assert [warm.choose(8, {"a": 8, "b": 0}, {"a": idle, "b": idle})[0]
-            for _ in range(3)] == ["a", "a", "b"]
+    assert KVRouting(1.0).choose(hashes[:4], {"a": 3, "b": 2}, {"a": 0, "b": 1},
+                                 now=0.0)[0] == "a"
+
+
+def test_what_the_router_sent_counts_as_cached_until_its_events_answer() -> None:
+    routing = KVRouting(overlap_weight=4.0, prediction_ttl_s=10.0, seed=0)
+    prompt, other = [1, 2, 3, 4], [9, 8, 7, 6]
+    first = routing.choose(prompt, {"a": 0, "b": 0}, {"a": 0, "b": 0}, now=0.0)[0]
+    second = "b" if first == "a" else "a"
+    # No event yet: the next request of that prefix still follows the first...
+    assert routing.choose(prompt, {"a": 0, "b": 0}, {"a": 0, "b": 0}, now=1.0)[0] == first
+    # ...an unrelated one goes where the load is lower, and builds its own prediction.
+    assert routing.choose(other, {"a": 0, "b": 0}, {first: 1, second: 0},
+                          now=1.0)[0] == second
+    # Unconfirmed past the TTL, a prediction no longer counts.
+    assert routing.cached_prefix(prompt, {"a": 0, "b": 0}, now=20.0) == {"a": 0, "b": 0}
+    # Once the index has the blocks, it alone answers: a later eviction (the index
+    # shrinks) is believed at once.
+    held = routing.choose(prompt, {first: 4, second: 0}, {"a": 0, "b": 0}, now=31.0)[0]
+    assert held == first
+    assert routing.cached_prefix(prompt, {first: 1, second: 0}, now=32.0)[first] == 1
+
+
+def test_a_replicas_load_is_its_last_report_plus_what_was_routed_there_since() -> None:
+    routing = KVRouting(overlap_weight=4.0, seed=0)
+    report = {"requests": 2, "report": 7}
+    assert routing.reported_load("a", report) == 2
+    # Three requests routed to a before its next report: each counts at once (a wave of
+    # requests within one report's second must not all go to the replica that looked idle).
+    for _ in range(3):
+        routing.choose([1, 2], {"a": 0, "b": 0}, {"a": 0, "b": 9}, now=0.0, reports={"a": 7})
+    assert routing.reported_load("a", report) == 5
+    # The next report counts them itself.
+    assert routing.reported_load("a", {"requests": 4, "report": 8}) == 4

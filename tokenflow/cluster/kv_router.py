@@ -12,13 +12,18 @@ gap in a live sequence is filled the same way. A replica that clears its cache
 
 The choice, per candidate replica r, for a prompt of B full blocks (`KVRouting.choose`):
 
-    cost(r) = overlap_weight * (B - cached_prefix_blocks(r)) + active_blocks(r)
+    cost(r) = overlap_weight * (B - cached_prefix_blocks(r)) + B * ongoing_requests(r)
 
-the blocks r would have to prefill plus the KV blocks its running requests hold (its last load
-report, once a second, plus the prompt blocks of each request this router sent it since)
--- the two terms of Dynamo's KV router cost (prefill work, decode load), written for this
-codebase. The cheapest replica is tried first (on a tie, the one with the longer cached
-prefix), the rest follow by cost.
+the blocks r would have to prefill plus an estimate of the blocks its requests hold (each
+about as large as this one) -- the two terms of Dynamo's KV router cost (prefill work, decode
+load), written for this codebase. With the default weight 8 a prompt cached whole is worth
+eight requests of imbalance. The load is a count of requests, not KV usage (a replica's
+blocks held swing by a whole prompt within a step): Serve's count of ongoing requests where
+requests go through Serve's router, else (HAProxy sends them) the replica's last report,
+once a second, plus what this router sent it since. The cached prefix is the index's, extended by
+what this router itself sent the replica in the last seconds and no event has confirmed yet.
+The cheapest replica is tried first (on a tie, the one with the longer cached prefix), the
+rest follow by cost.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,42 +261,82 @@ class KVEventFeed:
 
 
 class KVRouting:
-    """Owns the routing decision (the module docstring's cost) and the blocks this router
-    sent each replica since that replica's last load report."""
+    """Owns the routing decision (the module docstring's cost) and the prefixes this router
+    sent each replica that its events have not confirmed yet."""
 
-    def __init__(self, overlap_weight: float = 4.0, seed: int | None = None) -> None:
+    def __init__(self, overlap_weight: float = 8.0, prediction_ttl_s: float = 10.0,
+                 seed: int | None = None) -> None:
         self.overlap_weight = overlap_weight
-        self._sent: dict[Hashable, tuple[Any, int]] = {}  # replica -> (report id, blocks)
+        self.prediction_ttl_s = prediction_ttl_s
+        self._sent: dict[Hashable, dict[int, float]] = {}  # replica -> {hash: expiry}
+        # replica -> (the report it was counted from, requests routed there since)
+        self._routed: dict[Hashable, tuple[Any, int]] = {}
+        self._next_prune = 0.0
         self._rng = random.Random(seed)
 
-    def costs(self, num_blocks: int, cached: dict[Hashable, int],
-              reports: dict[Hashable, dict[str, Any]]) -> dict[Hashable, float]:
-        costs = {}
-        for replica, hit in cached.items():
-            report = reports.get(replica) or {}
-            held = int(report.get("num_blocks", 0)) - int(report.get("num_free_blocks", 0))
-            report_id, sent = self._sent.get(replica, (None, 0))
-            if report_id != report.get("report"):
-                sent = 0  # that report counts what it was sent before
-            costs[replica] = self.overlap_weight * (num_blocks - hit) + max(held, 0) + sent
-        return costs
+    def cached_prefix(self, hashes: Sequence[int], indexed: dict[Hashable, int],
+                      now: float) -> dict[Hashable, int]:
+        """Each candidate's cached prefix: what the index says (`indexed`), extended by the
+        blocks this router sent it within `prediction_ttl_s` that no event confirmed yet (a
+        replica publishes once a step, so the next request of the same prefix, routed a moment
+        later, would otherwise find it cached nowhere). A confirmed prediction is dropped: from
+        then on the index alone answers, evictions included."""
+        hits = {}
+        for replica, hit in indexed.items():
+            sent = self._sent.get(replica)
+            if sent:
+                for h in hashes[:hit]:
+                    sent.pop(h, None)
+                while hit < len(hashes) and sent.get(hashes[hit], 0.0) > now:
+                    hit += 1
+            hits[replica] = hit
+        return hits
 
-    def choose(self, num_blocks: int, cached: dict[Hashable, int],
-               reports: dict[Hashable, dict[str, Any]]) -> list[Hashable]:
-        """The candidates, cheapest first (ties: the longer cached prefix, then at random);
-        the request's blocks are counted as the chosen one's load until its next report (a
-        request whose prefix is cached still decodes there: counting only its new blocks sent
-        every such request to one replica)."""
-        costs = self.costs(num_blocks, cached, reports)
+    def reported_load(self, replica: Hashable, stats: dict[str, Any]) -> int:
+        """The requests a replica held at its last load report, plus those this router sent it
+        since: where requests do not go through Serve's own router (HAProxy sends them), Serve
+        counts none of them, and a report is up to a second old -- every request routed in
+        that second would otherwise go to the same replica, the one that looked idle."""
+        report_id, routed = self._routed.get(replica, (None, 0))
+        if report_id != stats.get("report"):
+            routed = 0
+        return int(stats.get("requests", 0)) + routed
+
+    def costs(self, num_blocks: int, cached: dict[Hashable, int],
+              loads: dict[Hashable, int]) -> dict[Hashable, float]:
+        return {replica: self.overlap_weight * (num_blocks - hit)
+                + max(num_blocks, 1) * loads.get(replica, 0)
+                for replica, hit in cached.items()}
+
+    def choose(self, hashes: Sequence[int], indexed: dict[Hashable, int],
+               loads: dict[Hashable, int], now: float,
+               reports: dict[Hashable, Any] | None = None) -> list[Hashable]:
+        """The candidates (the keys of `indexed`), cheapest first (ties: the longer cached
+        prefix, then at random). The chosen one is predicted to hold the prompt's blocks past
+        what its index already shows, and counted as routed one more request since its last
+        report (`reports`: each candidate's report id)."""
+        cached = self.cached_prefix(hashes, indexed, now)
+        costs = self.costs(len(hashes), cached, loads)
         order = sorted(costs, key=lambda r: (costs[r], -cached[r], self._rng.random()))
         chosen = order[0]
-        report = (reports.get(chosen) or {}).get("report")
-        report_id, sent = self._sent.get(chosen, (None, 0))
-        self._sent[chosen] = (report, (sent if report_id == report else 0) + max(num_blocks, 1))
+        self._sent.setdefault(chosen, {}).update(
+            dict.fromkeys(hashes[indexed[chosen]:], now + self.prediction_ttl_s))
+        report = (reports or {}).get(chosen)
+        report_id, routed = self._routed.get(chosen, (None, 0))
+        self._routed[chosen] = (report, (routed if report_id == report else 0) + 1)
+        if now >= self._next_prune:
+            self._prune(now)
         return order
+
+    def _prune(self, now: float) -> None:
+        for sent in self._sent.values():
+            for h in [h for h, expiry in sent.items() if expiry <= now]:
+                del sent[h]
+        self._next_prune = now + self.prediction_ttl_s
 
     def forget(self, replica: Hashable) -> None:
         self._sent.pop(replica, None)
+        self._routed.pop(replica, None)
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):
@@ -298,9 +344,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     replicas' own KV-cache events, weighed against their load (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
-                         overlap_weight: float = 4.0, seed: int | None = None) -> None:
+                         overlap_weight: float = 8.0, seed: int | None = None) -> None:
         self._blocks = PromptBlocks(block_size, tokenizer)
-        self._routing = KVRouting(overlap_weight, seed)
+        self._routing = KVRouting(overlap_weight, seed=seed)
         self._feed = KVEventFeed()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -319,9 +365,15 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
                   if pending_request is not None else [])
         by_id = {r.replica_id: r for r in candidate_replicas}
         with self._feed.lock:
-            cached = self._feed.index.cached_prefix(hashes, list(by_id))
-        reports = {rid: r.routing_stats or {} for rid, r in by_id.items()}
-        order = self._routing.choose(len(hashes), cached, reports)
+            indexed = self._feed.index.cached_prefix(hashes, list(by_id))
+        # Serve's count where requests go through Serve's router (exact: it counts each send
+        # and each end); in haproxy mode they do not, and the replicas' reports answer.
+        stats = {rid: r.routing_stats or {} for rid, r in by_id.items()}
+        loads = {rid: (queued if (queued := self.replica_queue_len_cache.get(rid)) is not None
+                       else self._routing.reported_load(rid, stats[rid]))
+                 for rid in by_id}
+        order = self._routing.choose(hashes, indexed, loads, time.monotonic(),
+                                     {rid: s.get("report") for rid, s in stats.items()})
         return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]] if len(order) > 1 else [
             [by_id[order[0]]]]
 

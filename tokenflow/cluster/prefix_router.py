@@ -163,6 +163,15 @@ class PrefixAffinity:
         return a if loads[a] <= loads[b] else b
 
 
+def ongoing_requests(queue_len_cache: Any, replica: RunningReplica) -> int:
+    """A replica's ongoing requests: Serve's count (its queue-length cache, which Serve keeps
+    as it sends and finishes requests), else the replica's own last report."""
+    queued = queue_len_cache.get(replica.replica_id)
+    if queued is not None:
+        return queued
+    return int((replica.routing_stats or {}).get("requests", 0))
+
+
 class PrefixAwareRouter(FIFOMixin, RequestRouter):
     """A Serve request router that keeps requests with a common prompt prefix on the replica
     that already caches it (see the module docstring); the decision is `PrefixAffinity`'s."""
@@ -181,7 +190,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self._forget_gone(candidate_replicas)
-        loads = {r.replica_id: self._load(r) for r in candidate_replicas}
+        loads = {r.replica_id: ongoing_requests(self.replica_queue_len_cache, r)
+                 for r in candidate_replicas}
         hashes = (self._blocks.hashes(pending_request.args, pending_request.kwargs)
                   if pending_request is not None else [])
         chosen_id = self._affinity.choose(loads, hashes)
@@ -189,13 +199,6 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         rest = sorted((r for r in candidate_replicas if r is not chosen),
                       key=lambda r: loads[r.replica_id])
         return [[chosen], rest] if rest else [[chosen]]
-
-    def _load(self, replica: RunningReplica) -> int:
-        queued = self.replica_queue_len_cache.get(replica.replica_id)
-        if queued is not None:
-            return queued
-        stats = replica.routing_stats or {}
-        return int(stats.get("requests", 0))
 
     def _forget_gone(self, candidates: list[RunningReplica]) -> None:
         current = {r.replica_id for r in self.curr_replicas.values()} | {

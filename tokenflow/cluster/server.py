@@ -93,7 +93,6 @@ class LLMServer:
         self._max_requests = (None if max_queued_requests is None
                               else config.scheduler.max_num_seqs + max_queued_requests)
         self._num_requests = 0  # requests this replica holds now (accepted, not yet ended)
-        self._num_reports = 0  # record_routing_stats calls (a report's identity for routers)
         self._prefill = PrefillClient(prefill) if prefill is not None else None
         # After the first token, a stream sends at most one batch of deltas per interval:
         # every item costs a Ray message and an HTTP chunk, which on a small machine take the
@@ -110,6 +109,7 @@ class LLMServer:
             loop = None
         self._poller = loop.create_task(self._poll_stats(metrics_interval_s)) if loop else None
         self._leaving = False
+        self._num_reports = 0  # record_routing_stats calls: a report's identity for routers
 
     # ------------------------------------------------------------------------ generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -392,8 +392,8 @@ class LLMServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's hook for request routers: the same load figures as `stats`, where the
-        replica publishes its KV-cache events, and a number that tells one report from the
-        next (the kv_aware router counts what it sent since)."""
+        replica publishes its KV-cache events (the kv_aware router subscribes there), and a
+        number that tells one report from the next (a router adds what it sent since)."""
         self._num_reports += 1
         return {**self.stats(), "kv_events": self.kv_events_endpoints(),
                 "report": self._num_reports}
