@@ -271,6 +271,41 @@ class StructuredOutputsConfig(_Frozen):
     compile_threads: int = Field(default=2, ge=1)
 
 
+class LoRAConfig(_Frozen):
+    """Multi-LoRA serving: PEFT adapters over the base weights, requests of different adapters
+    (and of the base model) in one batch. Adapter weights live in `max_loras` slots per
+    pipeline stage (loaded on demand, least recently used evicted to CPU memory, which holds
+    `max_cpu_loras` and drops the least recently used: read again from disk). `max_loras` is
+    also the most distinct adapters one step runs (the scheduler holds back the rest). 0: off."""
+
+    max_loras: int = Field(default=0, ge=0)
+    # Adapters of a larger rank are refused; smaller ones are zero-padded to it.
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)  # None: max_loras
+    # Adapters registered at start: name -> local PEFT directory (adapter_config.json and
+    # adapter_model.safetensors).
+    lora_modules: dict[str, str] = Field(default_factory=dict)
+    # A directory whose subdirectories are adapters: a request naming an unknown adapter
+    # found there as `<dir>/<name>` registers it on first use.
+    dynamic_lora_path: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_slots(self) -> LoRAConfig:
+        if (self.lora_modules or self.dynamic_lora_path) and not self.max_loras:
+            raise ValueError("lora.lora_modules / dynamic_lora_path need lora.max_loras >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("lora.max_cpu_loras must be >= lora.max_loras")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 class EngineConfig(_Frozen):
     """Everything one engine replica needs to build its scheduler, cache and workers."""
 
@@ -283,6 +318,7 @@ class EngineConfig(_Frozen):
     kv_events: KVEventsConfig = KVEventsConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora: LoRAConfig = LoRAConfig()
     # Where AsyncEngine (a served replica) runs the step loop: a thread of the serving process,
     # or a process of its own (the engine and the HTTP event loop then use two cores, not one
     # GIL: bench/README.md). The process runs the model itself, so not with Ray stage actors or

@@ -31,6 +31,7 @@ class FakeReq:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    lora_name: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -195,9 +196,9 @@ def test_decode_does_not_rehash_or_allocate_inside_a_block() -> None:
     calls = []
     real = hashing.extend_block_hashes
 
-    def counting(hashes: list[int], tokens: Sequence[int], bs: int) -> None:
+    def counting(hashes: list[int], tokens: Sequence[int], bs: int, extra: tuple = ()) -> None:
         calls.append(len(tokens))
-        real(hashes, tokens, bs)
+        real(hashes, tokens, bs, extra)
 
     with mock.patch("tokenflow.kv.manager.extend_block_hashes", counting):
         for tok in range(6):  # tokens 5..10: block 1 fills at the 8th token, only once
@@ -331,7 +332,8 @@ def test_kv_state_machine() -> None:
     run_state_machine_as_test(KVMachine, settings=_FAST)
 
 
-def _colliding_hashes(hashes: list[int], tokens: Sequence[int], block_size: int) -> None:
+def _colliding_hashes(hashes: list[int], tokens: Sequence[int], block_size: int,
+                      extra: tuple = ()) -> None:
     # Every prompt's block i hashes to i: only the token check stands between requests.
     hashes.extend(range(len(hashes), len(tokens) // block_size))
 

@@ -222,9 +222,11 @@ class BlockPool:
             self.free_queue.prepend_n(uncached)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
-                          token_ids: Sequence[int], block_size: int, start: int, end: int) -> int:
+                          token_ids: Sequence[int], block_size: int, start: int, end: int,
+                          lora_name: str | None = None) -> int:
         """Register blocks[start:end] in the prefix cache, block i holding
         token_ids[i*bs:(i+1)*bs] under block_hashes[i]; returns how many were registered.
+        `lora_name`: the adapter whose KV they hold (for the events).
 
         An existing entry for a hash wins (an identical block of another request, or a
         colliding one): the caller's block stays private, so nobody's KV is replaced under them.
@@ -238,7 +240,7 @@ class BlockPool:
             block_hash = block_hashes[i]
             if block_hash in cached:
                 if run_start is not None:
-                    self._record_stored(block_hashes, token_ids, block_size, run_start, i)
+                    self._record_stored(block_hashes, token_ids, block_size, run_start, i, lora_name)
                     run_start = None
                 continue
             block = blocks[i]
@@ -250,11 +252,11 @@ class BlockPool:
             if run_start is None:
                 run_start = i
         if run_start is not None:
-            self._record_stored(block_hashes, token_ids, block_size, run_start, end)
+            self._record_stored(block_hashes, token_ids, block_size, run_start, end, lora_name)
         return registered
 
     def _record_stored(self, block_hashes: Sequence[int], token_ids: Sequence[int],
-                       block_size: int, start: int, end: int) -> None:
+                       block_size: int, start: int, end: int, lora_name: str | None) -> None:
         """One `BlockStored` for the registered blocks [start, end), chained to block start-1."""
         if self._events is None:
             return
@@ -262,7 +264,7 @@ class BlockPool:
         self._events.append(BlockStored(
             list(block_hashes[start:end]), parent,
             list(token_ids[start * block_size:end * block_size]), block_size,
-            None, self.medium, None))
+            None, self.medium, lora_name))
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
         """The block cached under `block_hash` if it holds exactly `token_ids`, else None."""

@@ -70,15 +70,17 @@ def hash_block_tokens(
     return int.from_bytes(h.digest(), "little")
 
 
-def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block_size: int,
+                        extra_keys: tuple = ()) -> None:
     """Append the hash of every full block of `token_ids` that `block_hashes` does not cover yet.
 
     Block i chains from block i-1's hash (block 0 from None), so equal hashes mean equal
-    prefixes, not just equal blocks. A trailing partial block is never hashed.
+    prefixes, not just equal blocks. A trailing partial block is never hashed. `extra_keys`
+    go into every block's hash (as vLLM's: the LoRA adapter's name, whose KV differs).
     """
     num_full = len(token_ids) // block_size
     parent = block_hashes[-1] if block_hashes else None
     for i in range(len(block_hashes), num_full):
         start = i * block_size
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         block_hashes.append(parent)

@@ -24,6 +24,17 @@ class KVRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter whose KV this is (None: the base model): a block hash key."""
+        ...
+
+
+def hash_keys(request: KVRequest) -> tuple:
+    """The extra keys of a request's block hashes: its adapter's name, if any."""
+    name = request.lora_name
+    return () if name is None else (name,)
+
 
 class _ReqBlocks:
     """One request's block table and how many of its leading blocks are already cached."""
@@ -92,7 +103,7 @@ class KVCacheManager:
             return [], 0
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
-        extend_block_hashes(hashes, tokens, bs)
+        extend_block_hashes(hashes, tokens, bs, hash_keys(request))
         max_hits = min((request.num_tokens - 1) // bs, len(hashes))
         hits: list[KVCacheBlock] = []
         for i in range(max_hits):
@@ -225,8 +236,9 @@ class KVCacheManager:
         bs = self.block_size
         hashes, tokens = request.block_hashes, request.all_token_ids
         if len(hashes) < num_full:
-            extend_block_hashes(hashes, tokens, bs)
-        self.pool.cache_full_blocks(state.blocks, hashes, tokens, bs, state.num_cached, num_full)
+            extend_block_hashes(hashes, tokens, bs, hash_keys(request))
+        self.pool.cache_full_blocks(state.blocks, hashes, tokens, bs, state.num_cached, num_full,
+                                    request.lora_name)
         state.num_cached = num_full
 
     def free(self, request: KVRequest) -> None:

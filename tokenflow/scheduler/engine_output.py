@@ -32,6 +32,12 @@ class SchedulerStats:
     kv_offload_hit_tokens: int = 0
     kv_offload_stored_blocks: int = 0
     kv_offload_failures: int = 0
+    # LoRA: adapters loaded into a worker slot and evicted from one; per adapter name, the
+    # requests that finished with it and the tokens they generated.
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_requests: dict[str, int] = field(default_factory=dict)
+    lora_generated_tokens: dict[str, int] = field(default_factory=dict)
 
     def add(self, step: SchedulerStats) -> None:
         """Add a step's counters to these (totals since start); gauges are not summed."""
@@ -42,13 +48,18 @@ class SchedulerStats:
             if pos == len(per_position):
                 per_position.append(0)
             per_position[pos] += count
+        for mine, theirs in ((self.lora_requests, step.lora_requests),
+                             (self.lora_generated_tokens, step.lora_generated_tokens)):
+            for name, count in theirs.items():
+                mine[name] = mine.get(name, 0) + count
 
 
 # The counters of `SchedulerStats` (increments per step; the other fields are gauges).
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_drafts",
              "num_draft_tokens", "num_accepted_tokens", "kv_transfer_bytes",
              "kv_transfer_seconds", "kv_transfer_failures", "kv_offload_hit_tokens",
-             "kv_offload_stored_blocks", "kv_offload_failures")
+             "kv_offload_stored_blocks", "kv_offload_failures", "lora_loads",
+             "lora_evictions")
 
 
 @dataclass(slots=True)

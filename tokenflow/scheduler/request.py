@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenflow.scheduler.lora import LoRAAdapter
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 
@@ -87,6 +88,8 @@ class Request:
     priority: int = 0
     eos_token_id: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # Its LoRA adapter (resolved from `sampling_params.lora` by the engine); None: base model.
+    lora: LoRAAdapter | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -118,6 +121,11 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = self.prompt_token_ids + list(self.output_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name: part of every block hash (KV differs per adapter)."""
+        return None if self.lora is None else self.lora.name
 
     @property
     def num_output_tokens(self) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_SESSION_ID_LEN = 256
+MAX_LORA_NAME_LEN = 256
 
 
 @dataclass
@@ -102,6 +103,8 @@ class SamplingParams:
     # KV for the next request with the same id; `session_close` ends the session with it.
     session_id: str | None = None
     session_close: bool = False
+    # The LoRA adapter to generate with, by its registered name; None: the base model.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +133,9 @@ class SamplingParams:
             (self.session_id is None or self.n == 1, "a session continues one sequence: n=1"),
             (self.session_id is not None or not self.session_close,
              "session_close needs a session_id"),
+            (self.lora is None or (isinstance(self.lora, str)
+                                   and 0 < len(self.lora) <= MAX_LORA_NAME_LEN),
+             f"lora must be an adapter name of 1 to {MAX_LORA_NAME_LEN} characters"),
         ]
         for ok, message in checks:
             if not ok:

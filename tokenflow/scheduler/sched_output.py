@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenflow.scheduler.lora import LoRAAdapter
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class NewRequestData:
     eos_token_id: int | None = None
     # Outputs it arrives with (a request continued elsewhere: prefill/decode disaggregation).
     output_token_ids: list[int] = field(default_factory=list)
+    lora: LoRAAdapter | None = None
 
 
 @dataclass
@@ -95,3 +97,5 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     kv_connector_metadata: Any = None
     grammar_bitmask: GrammarBitmask | None = None
+    # LoRA adapters the workers load into their slots before this step: {slot: adapter}.
+    lora_loads: dict[int, LoRAAdapter] | None = None

@@ -13,8 +13,10 @@ from tokenflow.kv.connector import (
     create_scheduler_connector,
 )
 from tokenflow.kv.events import KVCacheEvent
+from tokenflow.kv.manager import hash_keys
 from tokenflow.scheduler.engine_output import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenflow.scheduler.grammar import GrammarBackend
+from tokenflow.scheduler.lora import LoRAAdapter, LoRASlots
 from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.queue import create_request_queue
 from tokenflow.scheduler.remote_kv import RemoteKV
@@ -61,6 +63,8 @@ class Scheduler:
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR without holding up the queue.
     `pause` holds back admission (PAUSED_NEW) or all scheduling (PAUSED_ALL): `PauseState`.
     Finished turns of streaming-input sessions keep their blocks in `sessions` (`Sessions`).
+    With LoRA (`enable_lora(max_loras)`), the running requests use at most `max_loras`
+    adapters, and `lora` (`LoRASlots`) places each step's adapters in the workers' slots.
     """
 
     def __init__(
@@ -109,6 +113,11 @@ class Scheduler:
         self._stats = SchedulerStats()
         self._pause_state = PauseState.UNPAUSED
         self.sessions = Sessions(self.kv, scheduler_config.session_idle_timeout_s)
+        self.lora: LoRASlots | None = None  # `enable_lora`
+
+    def enable_lora(self, max_loras: int) -> None:
+        """Serve LoRA adapters in `max_loras` worker slots (before any request arrives)."""
+        self.lora = LoRASlots(max_loras)
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -126,6 +135,8 @@ class Scheduler:
         if request.eos_token_id is not None and not params.ignore_eos:
             stops.add(request.eos_token_id)
         request.stop_token_set = frozenset(stops)
+        if request.lora is not None and self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (lora.max_loras is 0)")
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("this engine has no structured output support")
@@ -134,7 +145,8 @@ class Scheduler:
             self._grammar_req_ids.add(request.request_id)
         if self.kv.enable_caching:
             # Hash the prompt's full blocks once, on arrival, not inside a scheduling step.
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                                hash_keys(request))
         self.requests[request.request_id] = request
         if params.session_id is not None and self.sessions.resume(request):
             self.waiting.prepend(request)  # its session held a slot: it goes first, as resumed
@@ -187,8 +199,16 @@ class Scheduler:
             self.kv.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.lora is not None:
+            self._count_lora(request)
         if request.grammar is not None:
             self._grammar_req_ids.discard(request.request_id)
+
+    def _count_lora(self, request: Request) -> None:
+        name, stats = request.lora.name, self._stats
+        stats.lora_requests[name] = stats.lora_requests.get(name, 0) + 1
+        stats.lora_generated_tokens[name] = (stats.lora_generated_tokens.get(name, 0)
+                                             + request.num_output_tokens)
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Attach drafted tokens to decoding requests; they are verified next step."""
@@ -299,6 +319,8 @@ class Scheduler:
         self.finished_req_ids.clear()  # nothing to tell workers that never knew them
         if self.offload is not None:
             self.offload.reset()  # the new workers' tiers are empty
+        if self.lora is not None:
+            self.lora.reset()  # and their LoRA slots
         if not self.kv.reset_prefix_cache():
             raise RuntimeError("KV blocks are still held after every request let go of them")
 
@@ -347,7 +369,22 @@ class Scheduler:
             out.kv_connector_metadata = self.remote.build_meta(out)
         if self._grammar_req_ids:
             out.grammar_bitmask = self._grammar_bitmask(out)
+        if self.lora is not None:
+            out.lora_loads = self._lora_loads(out)
         return out
+
+    def _lora_loads(self, out: SchedulerOutput) -> dict[int, LoRAAdapter] | None:
+        """Slots for the adapters this step runs: what the workers must load first."""
+        requests = self.requests
+        adapters = [a for a in (requests[r].lora for r in out.num_scheduled_tokens) if a]
+        if not adapters:
+            return None
+        slots = self.lora
+        loads, evictions = slots.num_loads, slots.num_evictions
+        assigned = slots.assign(adapters)
+        self._stats.lora_loads += slots.num_loads - loads
+        self._stats.lora_evictions += slots.num_evictions - evictions
+        return assigned or None
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
         """Allowed tokens for every structured request that samples this step (its chunk
@@ -461,6 +498,10 @@ class Scheduler:
         # After a failed admission only requests that already hold their blocks may pass (a
         # loaded request must not wait behind one that cannot get blocks: that deadlocks).
         blocked = False
+        # LoRA: adapters the running requests use; a request whose adapter would make one too
+        # many waits, keeping its place (vLLM's rule).
+        loras = ({r.lora for r in self.running if r.lora is not None}
+                 if self.lora is not None else None)
         while self.waiting and plan.budget > 0 and len(self.running) < max_running:
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
@@ -472,7 +513,9 @@ class Scheduler:
                     continue
             if request.status in WAITING_FOR_SOMETHING or (
                     blocked and not self.kv.num_blocks_held(request.request_id)) or (
-                    paused_new and self._is_new(request)):
+                    paused_new and self._is_new(request)) or (
+                    loras is not None and request.lora is not None
+                    and request.lora not in loras and len(loras) >= self.lora.max_loras):
                 skipped.append(self.waiting.pop())  # keeps its place: put back below
                 continue
             outcome = self._admit(request, plan)
@@ -484,6 +527,8 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             self.waiting.pop()
+            if loras is not None and request.lora is not None:
+                loras.add(request.lora)
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
@@ -547,7 +592,7 @@ class Scheduler:
         else:
             plan.new_reqs.append(NewRequestData(
                 req_id, request.prompt_token_ids, request.sampling_params, block_ids, num_hit,
-                request.eos_token_id, request.output_token_ids[:]))
+                request.eos_token_id, request.output_token_ids[:], request.lora))
             if self.remote is not None:
                 self.remote.note_admitted(request)
 

@@ -16,15 +16,18 @@ from tokenflow.config import EngineConfig
 from tokenflow.replica.engine.engine import Engine, EngineState
 from tokenflow.replica.engine.engine_loop import (
     AbortRequest,
+    AddLoRA,
     AddRequest,
     Command,
     EngineDeadError,
     EngineProcess,
     EngineThread,
     Pause,
+    RemoveLoRA,
     Resume,
 )
 from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenflow.replica.engine.lora_registry import LoRARegistry
 from tokenflow.replica.engine.output_processor import RequestOutput
 from tokenflow.scheduler import PauseState, SamplingParams
 from tokenflow.scheduler.continuation import continuable, continuation_params
@@ -87,8 +90,10 @@ class AsyncEngine:
         # The engine of this process (None when it runs in its own).
         self.engine: Engine | None = self._loop.engine
         info = self._loop.info
+        # This side validates requests, so it keeps its own table of the engine's adapters.
         self._inputs = InputProcessor(self._loop.tokenizer, info.max_model_len,
-                                      info.vocab_size, config.structured_outputs)
+                                      info.vocab_size, config.structured_outputs,
+                                      LoRARegistry(config.lora, config.model.model))
 
     # ---------------------------------------------------------------------- public API
     @property
@@ -155,6 +160,23 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None) -> ProcessedRequest:
         return self._inputs.process(request_id or uuid.uuid4().hex, prompt, params, priority,
                                     kv_transfer_params)
+
+    # --------------------------------------------------------------------------- LoRA
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name`: validated here (ValueError if it does
+        not fit), then sent to the engine; requests submitted after this call may name it."""
+        adapter = self._inputs.loras.add(name, path)
+        self._send(AddLoRA(adapter.name, adapter.path))
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving `name` (requests using it finish); False if it was not served."""
+        removed = self._inputs.loras.remove(name)
+        if removed:
+            self._send(RemoveLoRA(name))
+        return removed
+
+    def list_loras(self) -> list[str]:
+        return self._inputs.loras.names()
 
     def with_kv_transfer(self, processed: ProcessedRequest,
                          kv_transfer_params: dict) -> ProcessedRequest:
@@ -327,6 +349,8 @@ class AsyncEngine:
             paused = dead.state().pause_state
             if paused is not PauseState.UNPAUSED:  # the pause outlives the process
                 new.send(Pause(paused))
+            for adapter in self._inputs.loras.adapters():  # and adapters added since start
+                new.send(AddLoRA(adapter.name, adapter.path))
             waiting = {c.processed.request_id for c in self._backlog if isinstance(c, AddRequest)}
             lost = []
             for request_id, stream in list(self._streams.items()):

@@ -13,6 +13,7 @@ from tokenflow.config import EngineConfig
 from tokenflow.net import node_ip
 from tokenflow.replica.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenflow.replica.engine.kv_event_publisher import KVEventPublisher
+from tokenflow.replica.engine.lora_registry import LoRARegistry
 from tokenflow.replica.engine.output_processor import OutputProcessor, RequestOutput
 from tokenflow.replica.engine.structured_output import StructuredOutputManager
 from tokenflow.replica.loading.resolve import load_tokenizer
@@ -92,10 +93,14 @@ class Engine:
             kv_events_medium=self.executor.kv_medium if events.enabled else None,
             kv_offload=config.kv_offload,
             num_offload_blocks=getattr(self.executor, "num_offload_blocks", 0))
+        if config.lora.enabled:
+            self.scheduler.enable_lora(config.lora.max_loras)
         # Drained once a step (`_finish_step`); published from a thread of its own.
         self.kv_events = KVEventPublisher(events, node_ip()) if events.enabled else None
+        self.loras = LoRARegistry(config.lora, config.model.model)
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self.vocab_size, config.structured_outputs)
+                                              self.vocab_size, config.structured_outputs,
+                                              self.loras)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._max_in_flight = (config.parallel.pipeline_parallel_size
                                + config.scheduler.async_scheduling)
@@ -136,6 +141,22 @@ class Engine:
         """End a request (all its sequences) and free its blocks."""
         self.scheduler.finish_requests(self.output_processor.abort(request_id),
                                        RequestStatus.FINISHED_ABORTED)
+
+    # --------------------------------------------------------------------------- LoRA
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (replacing one of that name); raises
+        ValueError if it does not fit the base model or `lora.max_lora_rank`."""
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving `name` (requests already in use of it finish); False if unknown."""
+        removed = self.loras.remove(name)
+        if removed and self.scheduler.lora is not None:
+            self.scheduler.lora.forget(name)
+        return removed
+
+    def list_loras(self) -> list[str]:
+        return self.loras.names()
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)

@@ -59,12 +59,25 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class AddLoRA:
+    """Serve a LoRA adapter (validated by the sender already)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Ends an engine process's loop (a thread's ends through `EngineThread.shutdown`)."""
 
 
 # What `AsyncEngine` sends; `Stop` only ever goes to an engine process, by its host.
-Command = AddRequest | AbortRequest | Pause | Resume
+Command = AddRequest | AbortRequest | Pause | Resume | AddLoRA | RemoveLoRA
 Deliver = Callable[[list[RequestOutput]], None]
 Fail = Callable[[BaseException], None]
 # How long an idle loop waits for a command before it looks again.
@@ -125,6 +138,13 @@ def apply_command(engine: Engine, command: Command) -> None:
             engine.pause(mode)
         case Resume():
             engine.resume()
+        case AddLoRA(name, path):
+            try:
+                engine.add_lora(name, path)
+            except ValueError:  # its files changed since the sender checked them
+                logger.exception("LoRA adapter %r not added", name)
+        case RemoveLoRA(name):
+            engine.remove_lora(name)
         case _:
             raise ValueError(f"unknown engine command {command!r}")
 

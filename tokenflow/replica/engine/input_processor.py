@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass
 
 from tokenflow.config import StructuredOutputsConfig
+from tokenflow.replica.engine.lora_registry import LoRARegistry
 from tokenflow.replica.engine.structured_output import grammar_of
 from tokenflow.replica.loading.tokenizer import Tokenizer
 from tokenflow.scheduler import Request, SamplingParams
+from tokenflow.scheduler.lora import LoRAAdapter
 
 
 @dataclass
@@ -25,12 +27,15 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    """Owns what validating a request needs: the tokenizer and the engine's limits
-    (`max_model_len`, `vocab_size`). Safe to call from any thread."""
+    """Owns what validating a request needs: the tokenizer, the engine's limits
+    (`max_model_len`, `vocab_size`) and its LoRA adapters (`loras`: a request naming another
+    is refused). Safe to call from any thread."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int,
-                 structured_outputs: StructuredOutputsConfig) -> None:
+                 structured_outputs: StructuredOutputsConfig,
+                 loras: LoRARegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.loras = loras
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.structured_outputs = structured_outputs
@@ -48,6 +53,7 @@ class InputProcessor:
         else:
             text, token_ids = None, list(prompt)
         self._validate(token_ids, params)
+        lora = self._lora(params.lora)
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         eos = self.tokenizer.eos_token_id
         # A model may end turns with several tokens; all but the primary EOS act as stop ids.
@@ -55,7 +61,16 @@ class InputProcessor:
             self.tokenizer.eos_token_ids - {eos} - set(params.stop_token_ids))
         params = dataclasses.replace(params, max_tokens=max_tokens,
                                      stop_token_ids=[*params.stop_token_ids, *extra_stops])
-        return self._build(request_id, text, token_ids, params, priority, kv_transfer_params)
+        return self._build(request_id, text, token_ids, params, priority, kv_transfer_params,
+                           lora)
+
+    def _lora(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this engine serves no adapters "
+                             "(lora.max_loras is 0)")
+        return self.loras.resolve(name)
 
     def with_kv_transfer(self, processed: ProcessedRequest,
                          kv_transfer_params: dict) -> ProcessedRequest:
@@ -64,11 +79,11 @@ class InputProcessor:
         generated) instead of its own. Raises ValueError for bad `first_token_ids`."""
         return self._build(processed.request_id, processed.prompt, processed.prompt_token_ids,
                            processed.params, processed.sequences[0].priority,
-                           kv_transfer_params)
+                           kv_transfer_params, processed.sequences[0].lora)
 
     def _build(self, request_id: str, text: str | None, token_ids: list[int],
                params: SamplingParams, priority: int,
-               kv_transfer_params: dict | None) -> ProcessedRequest:
+               kv_transfer_params: dict | None, lora: LoRAAdapter | None) -> ProcessedRequest:
         """The engine-side sequences (n of them) of a validated request."""
         eos = self.tokenizer.eos_token_id
         max_tokens = params.max_tokens
@@ -90,7 +105,7 @@ class InputProcessor:
             sequences.append(Request(child_id, token_ids, child_params, arrival_time=arrival,
                                      priority=priority, eos_token_id=eos,
                                      kv_transfer_params=kv_transfer_params,
-                                     output_token_ids=list(first_ids)))
+                                     output_token_ids=list(first_ids), lora=lora))
         return ProcessedRequest(request_id, text, token_ids, params, sequences)
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:

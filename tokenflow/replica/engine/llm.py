@@ -10,6 +10,7 @@ from tokenflow.config import (
     CacheConfig,
     EngineConfig,
     KVOffloadConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -23,9 +24,10 @@ _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerC
 
 
 def engine_config_from_kwargs(model: str, kv_offload: KVOffloadConfig | dict | None = None,
+                              lora: LoRAConfig | dict | None = None,
                               **kwargs: Any) -> EngineConfig:
     """Flat keyword arguments (as vLLM's `LLM(...)` takes them) -> one EngineConfig;
-    `kv_offload` (a `KVOffloadConfig` or its dict) is the one nested section."""
+    `kv_offload` and `lora` (their configs or dicts) are the nested sections."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     sections["model"]["model"] = model
     offload = KVOffloadConfig.model_validate(kv_offload or {})
@@ -35,7 +37,7 @@ def engine_config_from_kwargs(model: str, kv_offload: KVOffloadConfig | dict | N
             raise TypeError(f"unknown engine argument {key!r}")
         sections[owner][key] = value
     return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()},
-                        kv_offload=offload)
+                        kv_offload=offload, lora=LoRAConfig.model_validate(lora or {}))
 
 
 class LLM:
@@ -56,6 +58,16 @@ class LLM:
         """The engine's counters (preemptions, prefix-cache hits, drafts, KV transfers) since
         start."""
         return self.engine.totals
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (`SamplingParams(lora=name)`)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def shutdown(self) -> None:
         """Stop the engine's workers (with pipeline stages: their actors and placement group)."""

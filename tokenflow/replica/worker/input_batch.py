@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenflow.scheduler import SchedulerOutput
+from tokenflow.scheduler.lora import LoRAAdapter
 from tokenflow.scheduler.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class CachedRequestState:
     # Prompt positions whose logprob entry was already sent (recomputing after a preemption
     # must not send them twice).
     num_prompt_logprobs: int = 0
+    lora: LoRAAdapter | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +78,7 @@ class InputBatch:
         for new in out.scheduled_new_reqs:
             state = CachedRequestState(new.req_id, list(new.prompt_token_ids),
                                        new.sampling_params, self._take_row(), new.eos_token_id,
-                                       list(new.output_token_ids))
+                                       list(new.output_token_ids), lora=new.lora)
             self.states[new.req_id] = state
             known = new.prompt_token_ids + new.output_token_ids
             self.token_ids[state.row, :len(known)] = known

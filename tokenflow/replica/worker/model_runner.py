@@ -11,6 +11,7 @@ from tokenflow.replica.attention.backends import AttentionMetadata
 from tokenflow.replica.models.llama import CausalLM
 from tokenflow.replica.worker.drafter import NgramDrafter
 from tokenflow.replica.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from tokenflow.replica.worker.lora import StageLoRA
 from tokenflow.replica.worker.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenflow.scheduler.sched_output import GrammarBitmask
@@ -35,7 +36,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], *, block_size: int,
                  max_model_len: int, device: torch.device, seed: int = 0,
-                 drafter: NgramDrafter | None = None, keep_sampled: bool = False) -> None:
+                 drafter: NgramDrafter | None = None, keep_sampled: bool = False,
+                 lora: StageLoRA | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -45,6 +47,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed, device=device)
         self.drafter = drafter
         self.keep_sampled = keep_sampled
+        self.lora = lora
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -58,6 +61,8 @@ class ModelRunner:
         if sched_out.total_num_scheduled_tokens == 0:
             return None if not self.model.is_last_stage else ModelRunnerOutput([], [])
         inputs = self.batch.prepare(sched_out)
+        if self.lora is not None:
+            self._begin_lora(sched_out, inputs)
         meta = AttentionMetadata.build(
             slot_mapping=inputs.slot_mapping, block_table=inputs.block_table,
             query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
@@ -70,6 +75,15 @@ class ModelRunner:
         if not self.model.is_last_stage:
             return IntermediateTensors(hidden, residual)
         return self._sample(inputs, hidden, sched_out.grammar_bitmask)
+
+    def _begin_lora(self, sched_out: SchedulerOutput, inputs: StepInputs) -> None:
+        """Load the adapters the scheduler placed in slots, then the step's per-token masks."""
+        assert self.lora is not None
+        if sched_out.lora_loads:
+            self.lora.load(sched_out.lora_loads)
+        states = self.batch.states
+        self.lora.begin_step([states[r].lora for r in inputs.req_ids],
+                             np.diff(inputs.query_start_loc), self.device)
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor,
                 grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -20,9 +21,12 @@ from tokenflow.replica.loading.loader import load_model, resolve_dtype, resolve_
 from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.replica.worker.compile import compile_step
 from tokenflow.replica.worker.drafter import NgramDrafter
+from tokenflow.replica.worker.lora import StageLoRA
 from tokenflow.replica.worker.model_runner import ModelRunner
 from tokenflow.replica.worker.pipeline import StagePipe, stage_layer_ranges
 from tokenflow.scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,6 +77,9 @@ class Worker:
                                 load_format=config.model.load_format,
                                 layer_range=self.layer_range, seed=config.model.seed,
                                 quantization=self.quantization)
+        # LoRA slots around the (maybe quantized) projections, when adapters are served.
+        self.lora = (StageLoRA(self.model, config.lora, self.device, self.dtype)
+                     if config.lora.enabled else None)
         self.runner: ModelRunner | None = None
         self.pipe: StagePipe | None = None
         self.timings = StageTimings()
@@ -136,8 +143,12 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_caches, block_size=bs,
                                   max_model_len=max_model_len, device=self.device,
                                   seed=self.config.model.seed, drafter=drafter,
-                                  keep_sampled=self.config.scheduler.async_scheduling)
-        if self.config.model.compile:
+                                  keep_sampled=self.config.scheduler.async_scheduling,
+                                  lora=self.lora)
+        if self.config.model.compile and self.lora is not None:
+            # The step's LoRA masks are not graph inputs: compiled, each step would recompile.
+            logger.warning("model.compile is off with LoRA adapters (lora.max_loras > 0)")
+        elif self.config.model.compile:
             compile_step(self.model, kv_caches, self.config.scheduler.max_num_batched_tokens)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_caches, self.layer_range)

@@ -1,0 +1,118 @@
+"""Batched multi-LoRA: one projection's adapters in fixed slots, every token its own adapter.
+
+For a target W (out x in) an adapter adds `(x @ A^T) @ B^T * scaling` (A: r x in, B: out x r).
+A fused projection (qkv: q, k, v; gate_up: gate, up) has P parts sharing the input, so each
+slot holds P blocks of `max_rank` rows of A (zero past the adapter's rank and for parts it
+does not adapt) and the matching block-diagonal B, scaling folded in:
+
+    lora_a  [S * P * R, in]     slot s, part p, rank row j at row (s * P + p) * R + j
+    lora_bt [S * P * R, out]    B^T of the same rows, its part's output columns only
+
+A step computes, for all its T tokens at once,
+
+    y = base(x) + ((x @ lora_a^T) * mask) @ lora_bt       mask [T, S * P * R]: 1 where the
+                                                          token's slot owns the column
+i.e. two matmuls and a multiply (punica's shrink and expand, with a mask in place of a
+gather: on the CPU the step is bound by reading weights, and every slot in use is read once
+either way). Base-model tokens have an all-zero mask row; a step with no adapter token skips
+it all. The mask is built once a step (`LoRAStep.set`), not per layer. Only the slots up to
+the highest one in use take part (slots are filled lowest first). The base layer may be a
+`QuantizedLinear`: the delta is float, added on top.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Our fused projections and their PEFT parts, in the order of their output rows.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class LoRAStep:
+    """Owns the step's per-token slot masks, shared by a stage's `LoRALinear`s: for each
+    width P * R, a [T, n * P * R] mask (n: slots up to the highest in use), or None when no
+    token of the step uses an adapter."""
+
+    def __init__(self, max_rank: int, dtype: torch.dtype) -> None:
+        self.max_rank, self.dtype = max_rank, dtype
+        self.num_slots = 0
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def set(self, token_slots: torch.Tensor | None, widths: set[int]) -> None:
+        """`token_slots` [T]: each token's slot, -1 for the base model (None: all are)."""
+        if token_slots is None:
+            self.num_slots, self.masks = 0, {}
+            return
+        self.num_slots = int(token_slots.max()) + 1
+        slots = torch.arange(self.num_slots, device=token_slots.device)
+        onehot = (token_slots[:, None] == slots).to(self.dtype)  # [T, n]
+        self.masks = {w: onehot.repeat_interleave(w, dim=1) for w in widths}
+
+
+class LoRALinear(nn.Module):
+    """Owns one (fused) projection's base layer and its adapters' slot weights
+    (`lora_a`, `lora_bt`, see the module docstring); reads the step's masks from `step`."""
+
+    def __init__(self, base: nn.Module, part_sizes: tuple[int, ...], in_features: int,
+                 num_slots: int, step: LoRAStep, device: torch.device) -> None:
+        super().__init__()
+        self.base, self.step = base, step
+        self.part_sizes = part_sizes
+        self.width = len(part_sizes) * step.max_rank  # columns of one slot
+        rows = num_slots * self.width
+        self.register_buffer("lora_a", torch.zeros(rows, in_features, dtype=step.dtype,
+                                                   device=device))
+        self.register_buffer("lora_bt", torch.zeros(rows, sum(part_sizes), dtype=step.dtype,
+                                                    device=device))
+        self.loaded: set[int] = set()  # slots with weights for this projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        n = self.step.num_slots
+        if not n or not self.loaded:
+            return y
+        cols = n * self.width
+        xa = torch.mm(x, self.lora_a[:cols].T) * self.step.masks[self.width]  # [T, cols]
+        return torch.addmm(y, xa, self.lora_bt[:cols])
+
+    def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 scaling: float) -> None:
+        """Write an adapter into `slot`: per part, (A [r, in], B [out, r]) or None."""
+        rank, first = self.step.max_rank, slot * self.width
+        a = self.lora_a[first:first + self.width].zero_()
+        bt = self.lora_bt[first:first + self.width].zero_()
+        offset = 0
+        for p, (size, weights) in enumerate(zip(self.part_sizes, parts, strict=True)):
+            if weights is not None:
+                lora_a, lora_b = weights
+                r = lora_a.shape[0]
+                a[p * rank:p * rank + r] = lora_a
+                bt[p * rank:p * rank + r, offset:offset + size] = (lora_b * scaling).T
+            offset += size
+        if any(w is not None for w in parts):
+            self.loaded.add(slot)
+        else:
+            self.loaded.discard(slot)
+
+
+def wrap_lora(model: nn.Module, num_slots: int, step: LoRAStep, device: torch.device
+              ) -> dict[tuple[int, str], LoRALinear]:
+    """Put a `LoRALinear` around every targetable projection of the model's layers, in place.
+    Returns them by (stage layer index, fused name)."""
+    arch = model.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    shapes = {"qkv_proj": (hidden, (q, kv, kv)), "o_proj": (q, (hidden,)),
+              "gate_up_proj": (hidden, (inter, inter)), "down_proj": (inter, (hidden,))}
+    wrapped = {}
+    for index, layer in enumerate(model.layers):
+        for owner in (layer.self_attn, layer.mlp):
+            for name, (d_in, parts) in shapes.items():
+                base = getattr(owner, name, None)
+                if base is not None:
+                    lora = LoRALinear(base, parts, d_in, num_slots, step, device)
+                    setattr(owner, name, lora)
+                    wrapped[(index, name)] = lora
+    return wrapped
