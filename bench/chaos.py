@@ -12,6 +12,10 @@ waiting):
     pp2       configs/pp2.yaml's shape (2 pipeline stages per replica): a stage actor
     pd        configs/pd.yaml's shape (prefill/decode disaggregation, one prefill replica):
               the prefill replica
+    overload  no kills: each replica bounded (`max_num_seqs` 16 running, `max_queued_requests`
+              16 waiting) and twice what all replicas may hold in flight, half the streams
+              abandoned by the client after their first chunk; what is refused must be a 503
+              with `Retry-After`, and nothing may stay behind (blocks, requests)
 
 Each app has `--replicas` (2) LLMServer replicas (with pd: decode replicas), so that one
 survives each kill; the model is the embedded tokenflow-tiny, fast on a CPU.
@@ -20,14 +24,15 @@ Every request is counted once: `ok` (200, exactly max_tokens tokens, finish_reas
 stream ended by `[DONE]`; a greedy one with the clean pass's text), `clean_error` (a 4xx/5xx
 status, or a stream ending in an SSE error event), `conn_error` (the connection failed before
 any response byte), `lost` (hung past `--request-timeout`, dropped mid-body without an error
-event, truncated) or `wrong` (complete, but greedy text that differs from the clean pass).
+event, truncated), `wrong` (complete, but greedy text that differs from the clean pass) or
+`abandoned` (the client closed the stream itself: the overload scenario).
 Where the product shows it: requests resumed on another replica (the proxy_ingress modes log
 each resume with the request's id) and HAProxy's retries and redispatches (its stats socket;
 counters restart when HAProxy reloads, so these are lower bounds). After the load, every
 replica must go idle: running, waiting and KV usage 0 (else a leak). Prints progress every
 10 s and a table; writes JSON only where `--output` says.
 
-    python bench/chaos.py                                       # 4 modes x 3 scenarios, 1 min
+    python bench/chaos.py                                       # 4 modes x 4 scenarios, 1 min
     python bench/chaos.py --modes haproxy,proxy_ingress --scenarios replicas --minutes 0.5 \\
         --concurrency 8 --output /tmp/chaos.json
 """
@@ -68,10 +73,14 @@ import psutil  # noqa: E402
 from bench.serve_overhead import wait_until_200  # noqa: E402
 
 MODES = ("haproxy", "proxy", "proxy_ingress", "proxy_ingress_grpc")
-SCENARIOS = ("replicas", "pp2", "pd")
+SCENARIOS = ("replicas", "pp2", "pd", "overload")
 # What each scenario kills; `conns` only where HAProxy is in the path.
-KINDS = {"replicas": ("engine", "replica", "conns"), "pp2": ("stage",), "pd": ("prefill",)}
-OUTCOMES = ("ok", "clean_error", "conn_error", "lost", "wrong")
+KINDS = {"replicas": ("engine", "replica", "conns"), "pp2": ("stage",), "pd": ("prefill",),
+         "overload": ()}
+OUTCOMES = ("ok", "clean_error", "conn_error", "lost", "wrong", "abandoned")
+# The overload scenario's bound per replica (running + waiting) and its share of abandoned
+# streams.
+OVERLOAD_RUNNING, OVERLOAD_QUEUED, ABANDON_SHARE = 16, 16, 0.5
 ENDPOINTS = ("completions", "chat")
 NUM_PROMPTS = 16
 MAX_TOKENS = (32, 64, 96, 128)  # by prompt index: lengths of every size in the mix
@@ -152,6 +161,8 @@ class _Reply:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     done: bool = False  # a stream's [DONE]
+    abandoned: bool = False  # the client closed the stream after its first chunk
+    retry_after: str | None = None  # the Retry-After header of a refusal
     error: str | None = None  # a stream's error event: its type
     message: str = ""  # what an error said (evidence for the JSON)
 
@@ -169,7 +180,9 @@ async def _read_plain(response: httpx.Response, reply: _Reply) -> None:
     reply.done = True
 
 
-async def _read_stream(response: httpx.Response, reply: _Reply) -> None:
+async def _read_stream(response: httpx.Response, reply: _Reply, abandon: bool = False) -> None:
+    """Read a stream to its end (or, with `abandon`, only to its first chunk: the caller then
+    closes the connection, as a client that gave up does)."""
     if response.status_code != 200:
         reply.body = (await response.aread()).decode(errors="replace")
         return
@@ -194,6 +207,9 @@ async def _read_stream(response: httpx.Response, reply: _Reply) -> None:
             reply.finish_reason = choice.get("finish_reason") or reply.finish_reason
         if event.get("usage"):
             reply.completion_tokens = event["usage"].get("completion_tokens")
+        if abandon and parts:
+            reply.abandoned = True
+            break
     reply.text = "".join(parts)
 
 
@@ -202,8 +218,12 @@ def judge(spec: Spec, reply: _Reply, expected: str | None) -> tuple[str, str]:
     if reply.status != 200:
         kind = "OpenAI JSON" if '"error"' in reply.body else ("empty" if not reply.body
                                                              else "other body")
+        if reply.status in (429, 503):
+            kind += ", Retry-After" if reply.retry_after else ", no Retry-After"
         reply.message = reply.body[:300]
         return "clean_error", f"status {reply.status} ({kind})"
+    if reply.abandoned:
+        return "abandoned", "closed by the client after its first chunk"
     if reply.error is not None:
         return "clean_error", f"stream error event ({reply.error})"
     if not reply.done:
@@ -217,8 +237,10 @@ def judge(spec: Spec, reply: _Reply, expected: str | None) -> tuple[str, str]:
 
 
 async def send(client: httpx.AsyncClient, base_url: str, spec: Spec, model: str,
-               expected: str | None, timeout_s: float, t0: float) -> Result:
-    """One request, judged. Never raises (but for cancellation), never outlives `timeout_s`."""
+               expected: str | None, timeout_s: float, t0: float, abandon: bool = False
+               ) -> Result:
+    """One request, judged. Never raises (but for cancellation), never outlives `timeout_s`.
+    `abandon`: a stream is closed by us after its first chunk."""
     path = "/v1/chat/completions" if spec.endpoint == "chat" else "/v1/completions"
     reply = _Reply()
     start = time.monotonic()
@@ -227,7 +249,11 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: Spec, model: str,
             async with client.stream("POST", base_url + path,
                                      json=request_body(spec, model)) as response:
                 reply.status = response.status_code
-                await (_read_stream if spec.stream else _read_plain)(response, reply)
+                reply.retry_after = response.headers.get("retry-after")
+                if spec.stream:
+                    await _read_stream(response, reply, abandon)
+                else:
+                    await _read_plain(response, reply)
         outcome, reason = judge(spec, reply, expected)
     except TimeoutError:
         outcome, reason = "lost", f"hung: no end in {timeout_s:g} s"
@@ -281,6 +307,8 @@ class AppUnderTest:
     base_url: str
     replicas: dict[str, int]  # deployment -> replicas it should have
     env: dict[str, str]  # the cluster's env (apply_cluster_env): HAProxy's files and ports
+    concurrency: int  # the load's requests in flight
+    abandon_share: float = 0.0  # of streams, closed by the client after their first chunk
 
 
 def own_processes() -> list[psutil.Process]:
@@ -624,6 +652,9 @@ def app_args(scenario: str, mode: str, model: str, replicas: int) -> dict[str, A
         engine["parallel"] = {"pipeline_parallel_size": 2, "stage_num_cpus": 0.5,
                               "placement_strategy": "PACK"}
         deployment["ray_actor_options"] = {"num_cpus": 0}
+    if scenario == "overload":  # a small bound, so that twice it stays cheap
+        engine["scheduler"] = {**engine["scheduler"], "max_num_seqs": OVERLOAD_RUNNING}
+        deployment["max_queued_requests"] = OVERLOAD_QUEUED
     args: dict[str, Any] = {"engine": engine, "deployment": deployment, "serving_mode": mode}
     if scenario == "pd":  # configs/pd.yaml: one prefill replica, torch_p2p (gloo)
         args["engine"] = {**engine, "kv_transfer": {"connector": "torch_p2p",
@@ -649,7 +680,11 @@ def deploy(scenario: str, mode: str, args: argparse.Namespace, base_url: str,
     replicas = {"LLMServer": args.replicas}
     if scenario == "pd":
         replicas["PrefillServer"] = 1
-    return AppUnderTest(name, mode, base_url, replicas, env)
+    if scenario == "overload":  # twice what the replicas may hold
+        return AppUnderTest(name, mode, base_url, replicas, env,
+                            2 * args.replicas * (OVERLOAD_RUNNING + OVERLOAD_QUEUED),
+                            ABANDON_SHARE)
+    return AppUnderTest(name, mode, base_url, replicas, env, args.concurrency)
 
 
 @dataclass
@@ -676,22 +711,24 @@ class Tally:
 
 async def load(app: AppUnderTest, args: argparse.Namespace, expected: dict[Spec, str],
                tally: Tally, stop: asyncio.Event, t0: float) -> None:
-    """`--concurrency` clients, each sending seeded random specs back to back until `stop`."""
+    """`app.concurrency` clients, each sending seeded random specs back to back until `stop`
+    (abandoning `app.abandon_share` of its streams after their first chunk)."""
     specs = all_specs()
-    async with http_client(args.concurrency, args.request_timeout) as client:
+    async with http_client(app.concurrency, args.request_timeout) as client:
         async def client_loop(i: int) -> None:
             rng = random.Random(args.seed * 1_000 + i)
             while not stop.is_set():
                 spec = rng.choice(specs)
+                abandon = spec.stream and rng.random() < app.abandon_share
                 tally.in_flight += 1
                 try:
                     tally.results.append(await send(client, app.base_url, spec, args.model,
                                                     expected.get(spec), args.request_timeout,
-                                                    t0))
+                                                    t0, abandon))
                 finally:
                     tally.in_flight -= 1
 
-        await asyncio.gather(*(client_loop(i) for i in range(args.concurrency)))
+        await asyncio.gather(*(client_loop(i) for i in range(app.concurrency)))
 
 
 async def wait_recovered(app: AppUnderTest, kill: Kill | None, timeout_s: float
@@ -839,14 +876,14 @@ def summarize(mode: str, scenario: str, tally: Tally, clean: list[Result],
     seeded_differs = sum(1 for r in tally.results if r.outcome == "ok" and not r.spec.greedy
                          and clean_texts.get(r.spec) not in (None, r.text))
     by_kill = collections.Counter(_kill_during(r, tally.kills) for r in tally.results
-                                  if r.outcome != "ok")
+                                  if r.outcome not in ("ok", "abandoned"))
     recovered = [k.recovered_s for k in tally.kills if k.recovered_s is not None]
     ok_latency = [r.latency_s for r in tally.results if r.outcome == "ok"]
     failures = [{"spec": r.spec.label, "outcome": r.outcome, "reason": r.reason,
                  "start_s": round(r.start_s, 2), "latency_s": round(r.latency_s, 2),
                  "status": r.status, "id": r.response_id, "message": r.message,
                  "during": _kill_during(r, tally.kills)}
-                for r in tally.results if r.outcome != "ok"]
+                for r in tally.results if r.outcome not in ("ok", "abandoned")]
     return {
         "mode": mode, "scenario": scenario, "duration_s": round(duration_s, 1),
         "requests": len(tally.results), "counts": tally.counts(),
@@ -1026,7 +1063,7 @@ def _stop_child(child: subprocess.Popen, tree: dict[int, psutil.Process],
 
 
 COLUMNS = ("mode", "scenario", "requests", "ok", "resumed", "retried", "clean errors",
-           "conn errors", "lost", "wrong", "kills (unrecovered)", "recovery s", "ok p99 s",
+           "conn errors", "lost", "wrong", "abandoned", "kills (unrecovered)", "recovery s", "ok p99 s",
            "longest stall s", "idle after: run/wait/kv")
 
 
@@ -1043,7 +1080,7 @@ def table_row(row: dict[str, Any]) -> list[str]:
             str(row["resumed"]) if row["mode"].startswith("proxy_ingress") else "-",
             "-" if haproxy is None else str(haproxy["wretr"] + haproxy["wredis"]),
             str(c["clean_error"]), str(c["conn_error"]), str(c["lost"]), str(c["wrong"]),
-            kills, "-" if recovery is None else f"{recovery:.1f}",
+            str(c["abandoned"]), kills, "-" if recovery is None else f"{recovery:.1f}",
             "-" if p99 is None else f"{p99:.1f}", f"{row['longest_stall_s']:.1f}",
             f"{idle['max_running']}/{idle['max_waiting']}/{idle['max_kv_usage']:.2f}"
             + (" LEAK" if idle["leaked"] else "")]
@@ -1063,7 +1100,7 @@ def report(rows: list[dict[str, Any]]) -> str:
 LEGEND = """\
 Every request is counted once: ok, clean errors (4xx/5xx, or a stream's error event), conn
 errors (no response byte), lost (hung, dropped mid-body, truncated), wrong (complete, but
-greedy text other than the clean pass's). resumed: requests the ingress resumed on another
+greedy text other than the clean pass's), abandoned (closed by the client: overload). resumed: requests the ingress resumed on another
 replica (its log; proxy_ingress modes). retried: HAProxy's retries + redispatches (its stats;
 a lower bound: a reload restarts them). recovery s: median from a kill until Serve had the app
 whole again. longest stall s: the longest time in which no request ended. idle after: the
@@ -1074,7 +1111,7 @@ def reasons_report(rows: list[dict[str, Any]]) -> str:
     lines = []
     for row in rows:
         for outcome, reasons in (row.get("reasons") or {}).items():
-            if outcome == "ok":
+            if outcome in ("ok", "abandoned"):
                 continue
             text = "; ".join(f"{n} {reason}" for reason, n in reasons.items())
             lines.append(f"  {row['mode']}/{row['scenario']} {outcome}: {text}")
@@ -1102,7 +1139,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", type=names(MODES), default=list(MODES),
                    help="comma-separated serving modes (default: all four)")
     p.add_argument("--scenarios", type=names(SCENARIOS), default=list(SCENARIOS),
-                   help="comma-separated: replicas, pp2, pd (default: all)")
+                   help="comma-separated: replicas, pp2, pd, overload (default: all)")
     p.add_argument("--kinds", type=names(tuple(KILLERS)), default=None,
                    help="only these kills (engine, replica, conns, stage, prefill)")
     p.add_argument("--minutes", type=float, default=1.0, help="load per scenario")
