@@ -9,6 +9,7 @@ from collections import Counter
 from tokenflow.cluster.prefix_router import PrefixAffinity, PrefixIndex, PromptBlocks
 from tokenflow.kv import extend_block_hashes
 from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.scheduler.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -58,6 +59,24 @@ def test_prompt_blocks_from_token_ids_and_from_an_openai_body() -> None:
     assert blocks.hashes([], {}) == []
     assert blocks.hashes([{"messages": "not a list", "prompt": None}], {}) == []
     assert PromptBlocks(BLOCK, None).hashes([{"prompt": text}], {}) == []
+
+
+def test_prompt_blocks_are_keyed_by_the_lora_adapter_as_the_engines_cache() -> None:
+    tokenizer = resolve_model("tokenflow-tiny").tokenizer()
+    blocks = PromptBlocks(BLOCK, "tokenflow-tiny", model_name="base")
+    text = "the same long system prompt that every user of this service sends first"
+    ids = tokenizer.encode(text)
+    tuned: list[int] = []
+    extend_block_hashes(tuned, ids, BLOCK, ("support-bot",))
+    assert tuned != _hashes(ids)
+    # A body naming the base model (or none) uses no adapter; one naming an adapter, its key.
+    assert blocks.hashes([{"prompt": text, "model": "base"}], {}) == _hashes(ids)
+    assert blocks.hashes([{"prompt": text}], {}) == _hashes(ids)
+    assert blocks.hashes([{"prompt": text, "model": "support-bot"}], {}) == tuned
+    # The ingress's arguments: token ids and the engine's params.
+    params = SamplingParams(max_tokens=4, lora="support-bot")
+    assert blocks.hashes([[ids], params], {}) == tuned
+    assert blocks.hashes([[ids], SamplingParams(max_tokens=4)], {}) == _hashes(ids)
 
 
 def test_requests_with_a_cached_prefix_follow_it() -> None:

@@ -77,7 +77,8 @@ def prompt_router_config(engine: EngineConfig, deployment: DeploymentConfig) -> 
         period_s = 1.0  # its load term (held KV blocks) comes from these reports
     return {"request_router_class": cls,
             "request_router_kwargs": {"block_size": engine.cache.block_size,
-                                      "tokenizer": model.tokenizer or model.model, **knob},
+                                      "tokenizer": model.tokenizer or model.model,
+                                      "model_name": model.name, **knob},
             "request_routing_stats_period_s": period_s}
 
 

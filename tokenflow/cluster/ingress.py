@@ -112,8 +112,17 @@ class _HandleBackend:
     async def pause_status(self) -> list[dict[str, Any]]:
         return await broadcast(self._server, "pause_status")
 
+    async def lora_adapters(self) -> list[list[str]]:
+        return await broadcast(self._server, "lora_adapters")
 
-async def broadcast(server: DeploymentHandle, method: str, *args: Any) -> list[dict[str, Any]]:
+    async def load_lora(self, name: str, path: str) -> list[dict[str, Any]]:
+        return await broadcast(self._server, "load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> list[dict[str, Any]]:
+        return await broadcast(self._server, "unload_lora", name)
+
+
+async def broadcast(server: DeploymentHandle, method: str, *args: Any) -> list[Any]:
     """Call `method` on every replica of `server`'s deployment. A replica that is gone, or no
     answer in time, is a 503: the calls are idempotent, so the client retries them all."""
     try:

@@ -344,8 +344,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     replicas' own KV-cache events, weighed against their load (see the module docstring)."""
 
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
-                         overlap_weight: float = 8.0, seed: int | None = None) -> None:
-        self._blocks = PromptBlocks(block_size, tokenizer)
+                         overlap_weight: float = 8.0, seed: int | None = None,
+                         model_name: str | None = None) -> None:
+        self._blocks = PromptBlocks(block_size, tokenizer, model_name)
         self._routing = KVRouting(overlap_weight, seed=seed)
         self._feed = KVEventFeed()
 

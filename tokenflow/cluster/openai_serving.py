@@ -21,6 +21,7 @@ too and act on every replica of the backend; each answers with every replica's s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -47,12 +48,14 @@ from tokenflow.cluster.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PauseRequest,
     PauseStatusResponse,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     parse_request,
 )
 from tokenflow.cluster.responses import ChatFormatter, CompletionFormatter, Formatter
@@ -92,6 +95,15 @@ class GenerationBackend(Protocol):
 
     async def pause_status(self) -> list[dict[str, Any]]:
         """Every replica's `pause_status()`."""
+
+    async def lora_adapters(self) -> list[list[str]]:
+        """Each replica's registered LoRA adapters (`LLMServer.lora_adapters`)."""
+
+    async def load_lora(self, name: str, path: str) -> list[dict[str, Any]]:
+        """Register an adapter on every replica (`LLMServer.load_lora`)."""
+
+    async def unload_lora(self, name: str) -> list[dict[str, Any]]:
+        """Forget an adapter on every replica (`LLMServer.unload_lora`)."""
 
 
 class _LocalStream:
@@ -138,6 +150,15 @@ class LocalBackend:
 
     async def pause_status(self) -> list[dict[str, Any]]:
         return [self._server.pause_status()]
+
+    async def lora_adapters(self) -> list[list[str]]:
+        return [await self._server.lora_adapters()]
+
+    async def load_lora(self, name: str, path: str) -> list[dict[str, Any]]:
+        return [await self._server.load_lora(name, path)]
+
+    async def unload_lora(self, name: str) -> list[dict[str, Any]]:
+        return [await self._server.unload_lora(name)]
 
 
 def _json(model: BaseModel, status_code: int = 200) -> Response:
@@ -243,6 +264,8 @@ class OpenAIServing:
         self._model = model_name
         self._api_key = api_key or None
         self._max_model_len: int | None = None
+        self._dynamic_loras = False  # model_info: unknown names may be adapters on disk
+        self._adapters: set[str] = set()  # adapter names seen registered (refreshed on a miss)
 
     # ---------------------------------------------------------------------------- routes
     async def health(self) -> Response:
@@ -256,18 +279,22 @@ class OpenAIServing:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        card = ModelCard(id=self._model, root=self._model,
-                         max_model_len=await self._get_max_model_len())
-        return _json(ModelList(data=[card]))
+        max_len = await self._get_max_model_len()
+        self._adapters = await self._registered_adapters()
+        cards = [ModelCard(id=self._model, root=self._model, max_model_len=max_len)]
+        cards += [ModelCard(id=name, root=name, parent=self._model, max_model_len=max_len)
+                  for name in sorted(self._adapters)]
+        return _json(ModelList(data=cards))
 
     async def completions(self, request: Request) -> Response:
         received = time.time()
         self._authorize(request)
         body = await request.body()
         req = parse_request(CompletionRequest, body)
-        self._check_model(req.model)
         params = req.to_sampling_params(default_max_tokens=None)
-        fmt = CompletionFormatter(self._model, len(req.prompts) * req.n, req.include_usage,
+        params = dataclasses.replace(params, lora=await self._adapter(req.model))
+        fmt = CompletionFormatter(params.lora or self._model, len(req.prompts) * req.n,
+                                  req.include_usage,
                                   req.logprobs is not None)
         limit = await self._get_max_model_len()
         prompt_ids = await _tokenize(len(body), self._prompts.encode_all, req.prompts, limit)
@@ -280,9 +307,9 @@ class OpenAIServing:
         self._authorize(request)
         body = await request.body()
         req = parse_request(ChatCompletionRequest, body)
-        self._check_model(req.model)
         params = req.to_sampling_params(default_max_tokens=None)
-        fmt = ChatFormatter(self._model, req.n, req.include_usage, req.logprobs)
+        params = dataclasses.replace(params, lora=await self._adapter(req.model))
+        fmt = ChatFormatter(params.lora or self._model, req.n, req.include_usage, req.logprobs)
         limit = await self._get_max_model_len()
         prompt_ids = await _tokenize(
             len(body), self._prompts.render_chat, req.conversation(), req.add_generation_prompt,
@@ -294,7 +321,7 @@ class OpenAIServing:
     async def tokenize(self, request: Request) -> Response:
         self._authorize(request)
         req = parse_request(TokenizeRequest, await request.body())
-        self._check_model(req.model)
+        await self._adapter(req.model)
         messages = (None if req.messages is None
                     else [{"role": m.role, "content": m.text()} for m in req.messages])
         ids = await asyncio.to_thread(self._prompts.tokenize, req.prompt, messages,
@@ -305,9 +332,37 @@ class OpenAIServing:
     async def detokenize(self, request: Request) -> Response:
         self._authorize(request)
         req = parse_request(DetokenizeRequest, await request.body())
-        self._check_model(req.model)
+        await self._adapter(req.model)
         text = await asyncio.to_thread(self._prompts.detokenize, req.tokens)
         return _json(DetokenizeResponse(prompt=text))
+
+    # ----------------------------------------------------------------------- LoRA routes
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """`POST /v1/load_lora_adapter` (vLLM's): the adapter on every replica, or a 400 that
+        says why not (already loaded, no adapter there, a rank or module the engine cannot
+        take); then `model` may name it."""
+        self._authorize(request)
+        req = parse_request(LoadLoRAAdapterRequest, await request.body())
+        if req.lora_name == self._model:
+            raise bad_request(f"`{req.lora_name}` is the base model's name", "lora_name")
+        results = await self._backend.load_lora(req.lora_name, req.lora_path)
+        if errors := [r["error"] for r in results if r.get("error")]:
+            raise bad_request(errors[0], "lora_path")
+        self._adapters.add(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """`POST /v1/unload_lora_adapter` (vLLM's): a 404 when no replica had it."""
+        self._authorize(request)
+        req = parse_request(UnloadLoRAAdapterRequest, await request.body())
+        results = await self._backend.unload_lora(req.lora_name)
+        self._adapters.discard(req.lora_name)
+        if not any(r.get("removed") for r in results):
+            raise not_found(f"The lora adapter '{req.lora_name}' cannot be found.",
+                            "lora_name", "lora_not_found")
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
     # ---------------------------------------------------------------------- admin routes
     async def pause(self, request: Request) -> Response:
@@ -332,6 +387,7 @@ class OpenAIServing:
     async def _get_max_model_len(self) -> int:
         if self._max_model_len is None:
             info = await self._backend.model_info()
+            self._dynamic_loras = bool(info.get("dynamic_lora_path"))
             self._max_model_len = int(info["max_model_len"])
         return self._max_model_len
 
@@ -344,9 +400,24 @@ class OpenAIServing:
         if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
             raise unauthorized()
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._model:
-            raise not_found(f"The model `{model}` does not exist.", "model", "model_not_found")
+    async def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (vLLM's convention), None for the base
+        model; a 404 for a name that is neither (an adapter under the engine's
+        `dynamic_lora_path` is let through: the engine loads it, or refuses it, by name)."""
+        if model is None or model == self._model:
+            return None
+        if model in self._adapters:
+            return model
+        await self._get_max_model_len()  # also reads whether adapters load on first use
+        if self._dynamic_loras:
+            return model
+        self._adapters = await self._registered_adapters()
+        if model in self._adapters:
+            return model
+        raise not_found(f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    async def _registered_adapters(self) -> set[str]:
+        return {name for names in await self._backend.lora_adapters() for name in names}
 
     async def _respond(self, stream: GenerationStream, fmt: Formatter,
                        streaming: bool) -> Response:
@@ -384,6 +455,14 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         return await serving.detokenize(request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await serving.load_lora_adapter(request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await serving.unload_lora_adapter(request)
 
     @app.post("/pause")
     async def pause(request: Request) -> Response:

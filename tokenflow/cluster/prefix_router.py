@@ -82,12 +82,16 @@ class PrefixIndex:
 
 
 class PromptBlocks:
-    """Turns a request's routing arguments into its prompt's chained block hashes; owns the
-    tokenizer the `haproxy` mode needs (loaded on first use)."""
+    """Turns a request's routing arguments into its prompt's chained block hashes, keyed by
+    its LoRA adapter as the engine's prefix cache keys them (so a request goes where its
+    adapter's blocks are); owns the tokenizer the `haproxy` mode needs (loaded on first use).
+    `model_name`: the base model's served name (a body naming it uses no adapter)."""
 
-    def __init__(self, block_size: int, tokenizer: str | None) -> None:
+    def __init__(self, block_size: int, tokenizer: str | None,
+                 model_name: str | None = None) -> None:
         self.block_size = block_size
         self._tokenizer_path = tokenizer
+        self._model_name = model_name
         self._renderer: Any = None
 
     def hashes(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
@@ -95,13 +99,20 @@ class PromptBlocks:
         body the tokenizer cannot render: the replica will say what is wrong with it)."""
         first = args[0] if args else kwargs.get("prompts")
         tokens: Sequence[int] | None = None
+        adapter = None
         if isinstance(first, list) and first and isinstance(first[0], list):
             tokens = first[0]  # token ids from the OpenAIIngress; a batch routes on the first
+            params = args[1] if len(args) > 1 else kwargs.get("params")
+            adapter = getattr(params, "lora", None)
         elif isinstance(first, dict):
             tokens = self._tokenize(first)
+            model = first.get("model")
+            if isinstance(model, str) and model != self._model_name:
+                adapter = model  # vLLM's convention: `model` names the adapter
         hashes: list[int] = []
         if tokens:
-            extend_block_hashes(hashes, tokens, self.block_size)
+            extend_block_hashes(hashes, tokens, self.block_size,
+                                () if adapter is None else (adapter,))
         return hashes
 
     def _tokenize(self, body: dict[str, Any]) -> list[int] | None:
@@ -178,8 +189,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
                          imbalanced_threshold: int = 8, min_match_blocks: int = 1,
-                         index_capacity: int = 1 << 18, seed: int | None = None) -> None:
-        self._blocks = PromptBlocks(block_size, tokenizer)
+                         index_capacity: int = 1 << 18, seed: int | None = None,
+                         model_name: str | None = None) -> None:
+        self._blocks = PromptBlocks(block_size, tokenizer, model_name)
         self._affinity = PrefixAffinity(imbalanced_threshold, min_match_blocks,
                                         index_capacity, seed)
         self._known: set[Hashable] = set()

@@ -641,6 +641,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "tokenflow"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's convention)
     max_model_len: int | None = None
 
 
@@ -687,6 +688,20 @@ class DetokenizeResponse(BaseModel):
     """The text of a list of token ids."""
 
     prompt: str
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """`POST /v1/load_lora_adapter` (vLLM's): register the PEFT adapter in `lora_path` (a
+    directory on the replicas' nodes) under `lora_name` on every replica."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """`POST /v1/unload_lora_adapter` (vLLM's): forget the adapter `lora_name` everywhere."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class PauseRequest(_Request):

@@ -53,6 +53,15 @@ class _ReplicaBackend(LocalBackend):
     async def pause_status(self) -> list[dict[str, Any]]:
         return await broadcast(self._all_replicas(), "pause_status")
 
+    async def lora_adapters(self) -> list[list[str]]:
+        return await broadcast(self._all_replicas(), "lora_adapters")
+
+    async def load_lora(self, name: str, path: str) -> list[dict[str, Any]]:
+        return await broadcast(self._all_replicas(), "load_lora", name, path)
+
+    async def unload_lora(self, name: str) -> list[dict[str, Any]]:
+        return await broadcast(self._all_replicas(), "unload_lora", name)
+
 
 @serve.ingress()
 class IngressLLMServer(LLMServer):

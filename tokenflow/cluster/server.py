@@ -93,6 +93,7 @@ class LLMServer:
         self._max_requests = (None if max_queued_requests is None
                               else config.scheduler.max_num_seqs + max_queued_requests)
         self._num_requests = 0  # requests this replica holds now (accepted, not yet ended)
+        self._dynamic_lora_path = config.lora.dynamic_lora_path
         self._prefill = PrefillClient(prefill) if prefill is not None else None
         # After the first token, a stream sends at most one batch of deltas per interval:
         # every item costs a Ray message and an HTTP chunk, which on a small machine take the
@@ -311,7 +312,30 @@ class LLMServer:
     # ------------------------------------------------------------------------- model
     def model_info(self) -> dict[str, Any]:
         return {"id": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "load_time_s": self.engine.load_time_s}
+                "load_time_s": self.engine.load_time_s,
+                "dynamic_lora_path": self._dynamic_lora_path}
+
+    # -------------------------------------------------------------------------------- LoRA
+    async def lora_adapters(self) -> list[str]:
+        """The LoRA adapters this replica serves (`model` may name each)."""
+        return self.engine.list_loras()
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Serve the PEFT adapter in `path` as `name`: {"replica", "error"}, the error None
+        when it was added (an answer, not an exception: the ingress gathers every replica's)."""
+        error = None
+        if name in self.engine.list_loras():
+            error = f"The lora adapter '{name}' has already been loaded."
+        else:
+            try:
+                await asyncio.to_thread(self.engine.add_lora, name, path)
+            except (ValueError, OSError) as exc:
+                error = str(exc)
+        return {"replica": _replica_id(), "error": error}
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """Stop serving `name` (requests under way finish): {"replica", "removed"}."""
+        return {"replica": _replica_id(), "removed": self.engine.remove_lora(name)}
 
     # ----------------------------------------------------------------------------- pausing
     async def pause(self, mode: PauseState = PauseState.PAUSED_NEW) -> dict[str, Any]:
