@@ -41,3 +41,15 @@ def load_with_adapter(base: torch.nn.Module, path: str | Path, merge: bool = Fal
 
     model = PeftModel.from_pretrained(copy.deepcopy(base), str(path)).eval()
     return model.merge_and_unload().eval() if merge else model
+
+
+def write_tiny_adapter(out: str | Path, seed: int = 7, rank: int = 4) -> Path:
+    """An adapter for the embedded tokenflow-tiny model (its config, random base weights: an
+    adapter holds only A and B, of the base's shapes)."""
+    import transformers
+
+    from tokenflow.replica.loading.model_source import tiny_model_dir
+
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir())
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return write_adapter(base, out, seed=seed, rank=rank)

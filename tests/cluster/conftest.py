@@ -85,7 +85,8 @@ def deployed(cluster: Cluster, name: str, route_prefix: str, args: dict[str, Any
 
 
 def main_app_args() -> dict[str, Any]:
-    return {"engine": ENGINE_ARGS, "api_key": API_KEY,
+    # One LoRA slot: test_prometheus loads an adapter at run time for its panels.
+    return {"engine": {**ENGINE_ARGS, "lora": {"max_loras": 1}}, "api_key": API_KEY,
             "deployment": {"num_replicas": 1,
                            "ray_actor_options": SERVER_ACTOR_OPTIONS}}
 

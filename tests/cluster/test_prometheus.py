@@ -17,12 +17,14 @@ import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.cluster.conftest import App, Cluster
 from tests.cluster.prometheus import Prometheus, available
+from tests.lora_adapters import write_tiny_adapter
 from tests.needs import need
 from tokenflow.ops.dashboards import PANELS, expand
 
@@ -52,7 +54,17 @@ def _complete(app: App, prompt: str | list[int], max_tokens: int, key: str | Non
     return r.status_code
 
 
-def _load(app: App) -> None:
+def _load(app: App, adapters: list[Path]) -> None:
+    # Two adapters taking turns in the app's one slot: loads, and an eviction.
+    auth = {"Authorization": f"Bearer {app.api_key}"}
+    for i, adapter in enumerate(adapters):
+        loaded = httpx.post(app.base_url + "/v1/load_lora_adapter", headers=auth, timeout=120,
+                            json={"lora_name": f"panel-{i}", "lora_path": str(adapter)})
+        assert loaded.status_code == 200, loaded.text
+    for i in (0, 1, 0):
+        tuned = httpx.post(app.base_url + "/v1/completions", headers=auth, timeout=120,
+                           json={"model": f"panel-{i}", "prompt": "hello", "max_tokens": 4})
+        assert tuned.status_code == 200, tuned.text
     shared = "a shared prefix that spans several KV blocks " * 6
     assert [_complete(app, shared, 4, app.api_key) for _ in range(3)] == [200] * 3
     assert _complete(app, "no key", 4, "wrong-key") == 401
@@ -86,12 +98,12 @@ def _load_disaggregated(app: App) -> None:
 
 
 def test_every_panel_query_returns_data(cluster: Cluster, main_app: App, pd_app: App,
-                                        prometheus: Prometheus) -> None:
+                                        prometheus: Prometheus, tmp_path: Path) -> None:
     deadline = time.monotonic() + 60
     while not prometheus.targets_up():
         assert time.monotonic() < deadline, f"Ray's metrics never scraped: {prometheus.log()}"
         time.sleep(1)
-    _load(main_app)
+    _load(main_app, [write_tiny_adapter(tmp_path / f"adapter-{i}", seed=i) for i in (1, 2)])
     _load_disaggregated(pd_app)
     pending = {(p.title, q.expr): expand(q.expr, WINDOW) for p in PANELS for q in p.queries}
     # Metrics reach Prometheus within an export interval plus a scrape interval; a bounded

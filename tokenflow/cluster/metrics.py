@@ -121,6 +121,16 @@ class ServerMetrics:
             "tokenflow_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each position of a step's drafts (0: the first).",
             tag_keys=(*_TAG_KEYS, "position")))
+        self.lora_requests = tagged(Counter(
+            "tokenflow_lora_requests", "Finished requests, per LoRA adapter.",
+            tag_keys=(*_TAG_KEYS, "lora")))
+        self.lora_generation_tokens = tagged(Counter(
+            "tokenflow_lora_generation_tokens", "Tokens generated, per LoRA adapter.",
+            tag_keys=(*_TAG_KEYS, "lora")))
+        self.lora_loads = counter("tokenflow_lora_loads",
+                                  "LoRA adapters loaded into a slot (each stage counts once).")
+        self.lora_evictions = counter("tokenflow_lora_evictions",
+                                      "LoRA adapters evicted from a slot for another.")
         self._reported = SchedulerStats()  # the counter totals already reported
 
     def observe_request(self, t: RequestTiming) -> None:
@@ -152,16 +162,27 @@ class ServerMetrics:
                              (self.kv_transfer_failures, "kv_transfer_failures"),
                              (self.spec_drafts, "num_drafts"),
                              (self.spec_draft_tokens, "num_draft_tokens"),
-                             (self.spec_accepted, "num_accepted_tokens")):
+                             (self.spec_accepted, "num_accepted_tokens"),
+                             (self.lora_loads, "lora_loads"),
+                             (self.lora_evictions, "lora_evictions")):
             _inc(metric, getattr(now, name) - getattr(last, name))
         before = last.num_accepted_tokens_per_pos
         for pos, total in enumerate(now.num_accepted_tokens_per_pos):
             gained = total - (before[pos] if pos < len(before) else 0)
             if gained > 0:
                 self.spec_accepted_per_pos.inc(gained, tags={"position": str(pos)})
+        for metric, mine, theirs in (
+                (self.lora_requests, now.lora_requests, last.lora_requests),
+                (self.lora_generation_tokens, now.lora_generated_tokens,
+                 last.lora_generated_tokens)):
+            for name, total in mine.items():
+                if total > theirs.get(name, 0):
+                    metric.inc(total - theirs.get(name, 0), tags={"lora": name})
         # A copy: the engine's totals go on changing (in this process, with an engine thread).
-        self._reported = dataclasses.replace(now, num_accepted_tokens_per_pos=list(
-            now.num_accepted_tokens_per_pos))
+        self._reported = dataclasses.replace(
+            now, num_accepted_tokens_per_pos=list(now.num_accepted_tokens_per_pos),
+            lora_requests=dict(now.lora_requests),
+            lora_generated_tokens=dict(now.lora_generated_tokens))
 
 
 def _inc(counter: Counter, amount: float) -> None:

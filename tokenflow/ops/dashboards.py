@@ -113,6 +113,16 @@ def _engine() -> list[Panel]:
             Query(rate("tokenflow_num_preemptions", by="replica"), "{{replica}}"),), "short",
               "Requests preempted for lack of KV blocks (their blocks are freed and recomputed)."),
         *_speculative(),
+        Panel("engine", "LoRA adapters: requests / s", (
+            Query(rate("tokenflow_lora_requests", by="lora"), "{{lora}}"),), "reqps",
+              "Finished requests per LoRA adapter (the base model's are not counted here)."),
+        Panel("engine", "LoRA adapters: generated tokens / s", (
+            Query(rate("tokenflow_lora_generation_tokens", by="lora"), "{{lora}}"),), "short",
+              "Tokens generated per LoRA adapter."),
+        Panel("engine", "LoRA adapter slot loads and evictions / s", (
+            Query(rate("tokenflow_lora_loads"), "loads"),
+            Query(rate("tokenflow_lora_evictions"), "evictions")), "short",
+              "Adapters loaded into a slot (from CPU memory or disk), and evicted for another."),
         Panel("engine", "Batch size (running requests per replica)", (
             Query(f"sum by (replica) ({metric('tokenflow_num_requests_running')}{_TF})",
                   "{{replica}}"),), "short", "Sequences in each replica's running batch."),
