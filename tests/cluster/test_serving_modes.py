@@ -30,6 +30,7 @@ import yaml
 
 from tests.cluster.conftest import free_port
 from tests.cluster.serve_process import ServeProcess
+from tests.lora_adapters import write_tiny_adapter
 from tokenflow.cluster.serving_mode import check_cluster_env, switches
 from tokenflow.config import AppConfig, ConfigError, EngineConfig, ServingMode, load_app_config
 from tokenflow.ops.cluster_env import cluster_env, release_cluster_env
@@ -141,7 +142,7 @@ def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
 
 def _check_the_api(base_url: str, offline: LLM) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data if m.parent is None] == [MODEL]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     expected = [o.outputs[0].token_ids
                 for o in offline.generate(PROMPTS, params, use_tqdm=False)]
@@ -192,11 +193,15 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
     that share a long prefix all go where it is cached, also after the router's process is
     killed and restarted (it learns from the replicas' KV-event replay). Each replica's engine
     runs in a child process of the replica (`engine_loop: auto`, the default), and the API is
-    the same, token-exact. `/pause` and `/resume` reach both replicas, and SIGTERM drains: a
-    request under way runs to its end before the server exits."""
+    the same, token-exact, also for each of three LoRA adapters the config names (as the
+    offline engine with them gives). `/pause` and `/resume` reach both replicas, and SIGTERM
+    drains: a request under way runs to its end before the server exits."""
     mode = AppConfig().serving_mode
-    server, url = _start(mode, 2, tmp_path, cli_args=("--drain-timeout", "120"),
-                         request_router="kv_aware")
+    adapters = {f"tiny-{i}": str(write_tiny_adapter(tmp_path / f"adapter-{i}", seed=i))
+                for i in (1, 2, 3)}
+    lora = {"max_loras": 2, "lora_modules": adapters}
+    server, url = _start(mode, 2, tmp_path, {"lora": lora},
+                         cli_args=("--drain-timeout", "120"), request_router="kv_aware")
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
@@ -206,6 +211,7 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
         for replica in replicas:
             assert any("spawn_main" in " ".join(p.cmdline()) for p in replica.children())
         _check_the_api(url, offline)
+        _check_adapters(url, adapters)
         # The Serve request router sent requests to both replicas (once HAProxy has both).
         _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
@@ -245,6 +251,29 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
         _pause_resume_and_drain(server, url)
     finally:
         server.stop()
+
+
+def _check_adapters(base_url: str, adapters: dict[str, str]) -> None:
+    """Each adapter by name gives the offline engine's text with that adapter (itself equal
+    to transformers + peft: tests/replica/test_lora.py), and differs from the base model's."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+    listed = {m.id: m.parent for m in client.models.list().data}
+    assert listed == {MODEL: None, **dict.fromkeys(adapters, MODEL)}
+    tuned = LLM(config=EngineConfig.model_validate(
+        {**ENGINE, "lora": {"max_loras": 3, "lora_modules": adapters}}))
+    try:
+        names = [None, *adapters]
+        outs = tuned.generate([PROMPTS[0]] * len(names),
+                              [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                              lora=name) for name in names], use_tqdm=False)
+    finally:
+        tuned.shutdown()
+    texts = {name: out.outputs[0].text for name, out in zip(names, outs, strict=True)}
+    assert len(set(texts.values())) == len(names)  # every adapter changes the text
+    for name in adapters:
+        done = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.model == name and done.choices[0].text == texts[name], name
 
 
 def _pause_resume_and_drain(server: ServeProcess, base: str) -> None:
