@@ -61,10 +61,15 @@ def _load(app: App, adapters: list[Path]) -> None:
         loaded = httpx.post(app.base_url + "/v1/load_lora_adapter", headers=auth, timeout=120,
                             json={"lora_name": f"panel-{i}", "lora_path": str(adapter)})
         assert loaded.status_code == 200, loaded.text
-    for i in (0, 1, 0):
-        tuned = httpx.post(app.base_url + "/v1/completions", headers=auth, timeout=120,
-                           json={"model": f"panel-{i}", "prompt": "hello", "max_tokens": 4})
-        assert tuned.status_code == 200, tuned.text
+    try:
+        for i in (0, 1, 0):
+            tuned = httpx.post(app.base_url + "/v1/completions", headers=auth, timeout=120,
+                               json={"model": f"panel-{i}", "prompt": "hello", "max_tokens": 4})
+            assert tuned.status_code == 200, tuned.text
+    finally:  # the app is shared with other modules' tests
+        for i, _ in enumerate(adapters):
+            httpx.post(app.base_url + "/v1/unload_lora_adapter", headers=auth, timeout=120,
+                       json={"lora_name": f"panel-{i}"})
     shared = "a shared prefix that spans several KV blocks " * 6
     assert [_complete(app, shared, 4, app.api_key) for _ in range(3)] == [200] * 3
     assert _complete(app, "no key", 4, "wrong-key") == 401
