@@ -13,11 +13,16 @@ A step computes, for all its T tokens at once,
     y = base(x) + ((x @ lora_a^T) * mask) @ lora_bt       mask [T, S * P * R]: 1 where the
                                                           token's slot owns the column
 i.e. two matmuls and a multiply (punica's shrink and expand, with a mask in place of a
-gather: on the CPU the step is bound by reading weights, and every slot in use is read once
-either way). Base-model tokens have an all-zero mask row; a step with no adapter token skips
-it all. The mask is built once a step (`LoRAStep.set`), not per layer. Only the slots up to
-the highest one in use take part (slots are filled lowest first). The base layer may be a
-`QuantizedLinear`: the delta is float, added on top.
+gather: on a decode step the work is bound by reading weights, and every slot in use is read
+once either way). Base-model tokens have an all-zero mask row; a step with no adapter token
+skips it all. The mask is built once a step (`LoRAStep.set`), not per layer. Only the slots
+up to the highest one in use take part (slots are filled lowest first). The base layer may be
+a `QuantizedLinear`: the delta is float, added on top.
+
+A step of many tokens (a prefill chunk) is bound by arithmetic instead, and there the mask
+makes every token multiply by every slot's columns: such a step takes each slot's tokens
+(grouped once a step) through that slot's own A and B, and adds the result to their rows
+(punica's segmented form). `GROUPED_MIN_TOKENS` decides which form a step takes.
 """
 
 from __future__ import annotations
@@ -25,27 +30,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# From this many tokens in a step, each slot's tokens go through their own slot's weights
+# (bench/lora.py: on prefill chunks the masked form spent most of its time on other slots'
+# columns; on decode steps of a few dozen tokens the two extra ops per slot cost more).
+GROUPED_MIN_TOKENS = 64
 # Our fused projections and their PEFT parts, in the order of their output rows.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class LoRAStep:
-    """Owns the step's per-token slot masks, shared by a stage's `LoRALinear`s: for each
-    width P * R, a [T, n * P * R] mask (n: slots up to the highest in use), or None when no
-    token of the step uses an adapter."""
+    """Owns the step's per-token slot assignment, shared by a stage's `LoRALinear`s: for
+    each width P * R, a [T, n * P * R] mask (n: slots up to the highest in use), or for a
+    large step each used slot's token indices (`groups`); neither when no token of the step
+    uses an adapter."""
 
     def __init__(self, max_rank: int, dtype: torch.dtype) -> None:
         self.max_rank, self.dtype = max_rank, dtype
         self.num_slots = 0
         self.masks: dict[int, torch.Tensor] = {}
+        self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, its tokens' rows)
 
     def set(self, token_slots: torch.Tensor | None, widths: set[int]) -> None:
         """`token_slots` [T]: each token's slot, -1 for the base model (None: all are)."""
+        self.groups = []
         if token_slots is None:
             self.num_slots, self.masks = 0, {}
             return
         self.num_slots = int(token_slots.max()) + 1
+        if len(token_slots) >= GROUPED_MIN_TOKENS:
+            self.masks = {}
+            for slot in range(self.num_slots):
+                rows = (token_slots == slot).nonzero().flatten()
+                if len(rows):
+                    self.groups.append((slot, rows))
+            return
         slots = torch.arange(self.num_slots, device=token_slots.device)
         onehot = (token_slots[:, None] == slots).to(self.dtype)  # [T, n]
         self.masks = {w: onehot.repeat_interleave(w, dim=1) for w in widths}
@@ -72,6 +91,14 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         n = self.step.num_slots
         if not n or not self.loaded:
+            return y
+        if self.step.groups:
+            for slot, rows in self.step.groups:
+                if slot in self.loaded:
+                    first = slot * self.width
+                    a = self.lora_a[first:first + self.width]
+                    bt = self.lora_bt[first:first + self.width]
+                    y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a.T), bt))
             return y
         cols = n * self.width
         xa = torch.mm(x, self.lora_a[:cols].T) * self.step.masks[self.width]  # [T, cols]
