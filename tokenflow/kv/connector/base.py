@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
+
+SpecT = TypeVar("SpecT")
 
 
 class RemoteRequest(Protocol):
@@ -86,6 +88,29 @@ class LoadResult:
     req_id: str
     ok: bool
     reason: str = ""
+
+
+@dataclass
+class PendingLoad(Generic[SpecT]):
+    """One request's load while its stages report: the scheduler half of every connector
+    that loads (transfers, the offload tier) keeps one per request."""
+
+    spec: SpecT
+    started: bool = False  # a worker has it
+    cancelled: bool = False
+    done: int = 0  # stages that reported
+    failures: list[str] = field(default_factory=list)
+
+    def stage_reported(self, failure: str | None, num_stages: int) -> bool:
+        """Count one stage's report; True once every stage reported."""
+        self.done += 1
+        if failure is not None:
+            self.failures.append(failure)
+        return self.done >= num_stages
+
+    def result(self, req_id: str) -> LoadResult:
+        return LoadResult(req_id, not self.failures and not self.cancelled,
+                          "; ".join(self.failures))
 
 
 class KVConnectorScheduler(ABC):

@@ -43,6 +43,7 @@ from tokenflow.kv.connector.base import (
     KVConnectorOutput,
     KVConnectorScheduler,
     LoadResult,
+    PendingLoad,
     RemoteRequest,
 )
 from tokenflow.kv.events import BlockRemoved, BlockStored, KVCacheEvent
@@ -89,15 +90,6 @@ class _Entry:
 
 
 @dataclass
-class _Load:
-    spec: TierLoad
-    started: bool = False
-    cancelled: bool = False
-    done: int = 0
-    failures: list[str] = field(default_factory=list)
-
-
-@dataclass
 class TierStats:
     """Counters since the last `take_tier_stats`."""
 
@@ -124,7 +116,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self._pins: dict[int, int] = {}  # slot -> loads reading it
         self._orphans: set[int] = set()  # pinned slots whose entry was dropped: free when read
         self._matches: dict[str, list[int]] = {}  # matched, blocks not allocated yet
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, PendingLoad[TierLoad]] = {}
         self._to_load: list[TierLoad] = []
         self._finished: list[LoadResult] = []
         self._events: list[KVCacheEvent] = []
@@ -166,7 +158,7 @@ class OffloadScheduler(KVConnectorScheduler):
             slots.append(entry.slot)
         spec = TierLoad(request.request_id, block_ids[first:first + len(matched)], slots,
                         matched)
-        self._loads[request.request_id] = _Load(spec)
+        self._loads[request.request_id] = PendingLoad(spec)
         self._to_load.append(spec)
 
     # ------------------------------------------------------------------------ steps
@@ -225,10 +217,7 @@ class OffloadScheduler(KVConnectorScheduler):
         load = self._loads.get(req_id)
         if load is None:
             return  # another connector's request
-        load.done += 1
-        if failure is not None:
-            load.failures.append(failure)
-        if load.done < self.num_stages:
+        if not load.stage_reported(failure, self.num_stages):
             return
         del self._loads[req_id]
         self._unpin(load)
@@ -238,12 +227,12 @@ class OffloadScheduler(KVConnectorScheduler):
                 entry = self._index.get(block_hash)
                 if entry is not None and entry.slot == slot:
                     self._drop(block_hash)
-        ok = not load.failures and not load.cancelled
-        if ok:
+        result = load.result(req_id)
+        if result.ok:
             self._stats.hit_tokens += len(load.spec.hashes) * self.block_size
-        self._finished.append(LoadResult(req_id, ok, "; ".join(load.failures)))
+        self._finished.append(result)
 
-    def _unpin(self, load: _Load) -> None:
+    def _unpin(self, load: PendingLoad[TierLoad]) -> None:
         for slot in load.spec.slots:
             self._pins[slot] -= 1
             if self._pins[slot] == 0:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenflow.kv.connector.base import (
@@ -24,18 +24,10 @@ from tokenflow.kv.connector.base import (
     KVConnectorScheduler,
     LoadResult,
     LoadSpec,
+    PendingLoad,
     RemoteRequest,
     SaveSpec,
 )
-
-
-@dataclass
-class _Load:
-    spec: LoadSpec
-    started: bool = False
-    cancelled: bool = False
-    done: int = 0
-    failures: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -59,7 +51,7 @@ class TransferScheduler(KVConnectorScheduler):
         # request) or copies them out when publishing (they can be freed at once).
         self.holds_blocks = holds_blocks
         self._get_block_ids = get_block_ids
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, PendingLoad[LoadSpec]] = {}
         self._to_load: list[LoadSpec] = []
         self._producers: dict[str, RemoteRequest] = {}
         self._published: dict[str, list[dict[str, Any]]] = {}
@@ -96,7 +88,7 @@ class TransferScheduler(KVConnectorScheduler):
         first = start // bs
         last = -(-(start + num_external_tokens) // bs)
         spec = LoadSpec(request.request_id, block_ids[first:last], first, params)
-        self._loads[request.request_id] = _Load(spec)
+        self._loads[request.request_id] = PendingLoad(spec)
         self._to_load.append(spec)
 
     # ------------------------------------------------------------------------- steps
@@ -136,14 +128,10 @@ class TransferScheduler(KVConnectorScheduler):
         load = self._loads.get(req_id)
         if load is None:
             return
-        load.done += 1
-        if failure is not None:
-            load.failures.append(failure)
-        if load.done == self.num_stages:
+        if load.stage_reported(failure, self.num_stages):
             del self._loads[req_id]
-            ok = not load.failures and not load.cancelled
             self._stats[2] += bool(load.failures)
-            self._finished_loads.append(LoadResult(req_id, ok, "; ".join(load.failures)))
+            self._finished_loads.append(load.result(req_id))
 
     def take_finished_loads(self) -> list[LoadResult]:
         results, self._finished_loads = self._finished_loads, []
