@@ -319,6 +319,16 @@ class EngineConfig(_Frozen):
     speculative: SpeculativeConfig = SpeculativeConfig()
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     lora: LoRAConfig = LoRAConfig()
+    # The chat side of the OpenAI API (the ingress renders prompts and parses outputs; the
+    # engine never reads these). chat_template: a .jinja file, or a template shipped in
+    # tokenflow/assets/chat_templates by name (`smollm2-tools`: SmolLM2's own template plus
+    # tools), in place of the model's; None: the model's own.
+    chat_template: str | None = None
+    # How `tool_choice: auto` output becomes tool calls: `hermes` (<tool_call>{...}</tool_call>,
+    # SmolLM2, Qwen, Hermes) or `llama3_json` (a bare {"name", "parameters"} object, Llama 3.x).
+    tool_call_parser: Literal["hermes", "llama3_json"] = "hermes"
+    # Split <think>...</think> into `reasoning_content`: `qwen3` or `deepseek_r1`; None: off.
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = None
     # Where AsyncEngine (a served replica) runs the step loop: a thread of the serving process,
     # or a process of its own (the engine and the HTTP event loop then use two cores, not one
     # GIL: bench/README.md). The process runs the model itself, so not with Ray stage actors or

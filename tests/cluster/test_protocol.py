@@ -158,7 +158,15 @@ MALFORMED: list[tuple[str, dict[str, Any] | list[Any], int, str | None]] = [
     (CHAT, {"messages": OK_MSGS, "logprobs": "yes"}, 400, "logprobs"),
     (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": OK_MSGS, "max_completion_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
-    (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    (CHAT, {"messages": OK_MSGS, "tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+     400, "tools[0].type"),
+    (CHAT, {"messages": OK_MSGS, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     400, "tools[0].function.name"),
+    (CHAT, {"messages": OK_MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": OK_MSGS, "tool_choice": "sometimes",
+            "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    (CHAT, {"messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].tool_call_id"),
     (CHAT, {"messages": OK_MSGS, "response_format": {"type": "xml"}}, 400,
      "response_format.type"),
     (CHAT, {"messages": OK_MSGS, "response_format": {"type": "json_schema"}}, 400,
@@ -374,7 +382,7 @@ def test_chat_to_sampling_params() -> None:
     assert req.include_usage
     assert req.conversation() == [
         {"role": "developer", "content": "be brief"}, {"role": "user", "content": "a\nb"},
-        {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": ""}, {"role": "tool", "content": "42", "tool_call_id": "t1"},
     ]
     params = req.to_sampling_params(default_max_tokens=100)
     assert params == SamplingParams(max_tokens=5, logprobs=4, stop=["x", "y"], seed=1,

@@ -156,9 +156,6 @@ def test_enable_thinking_false_reaches_the_template(thinking: openai.OpenAI,
     assert on.prompt_tokens == default
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="OpenAIServing.output_parser does not yet pass the request's "
-                          "chat_template_kwargs to reasoning_parser(); remove this mark then")
 def test_without_thinking_the_output_is_content(thinking: openai.OpenAI) -> None:
     # With enable_thinking false the template closed the think block in the prompt: whatever
     # the model writes, tags included, is the answer (vLLM's qwen3 rule).

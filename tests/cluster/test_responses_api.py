@@ -31,7 +31,6 @@ from tokenflow.cluster.protocol import SSE_DONE, parse_request
 from tokenflow.cluster.responses_api import ResponsesRequest
 from tokenflow.cluster.responses_formatter import ResponsesFormatter
 from tokenflow.cluster.server import LLMServer
-from tokenflow.replica.loading.resolve import load_tokenizer
 
 MODEL = "tokenflow-tiny"
 # JSON on one line: the random model would otherwise spend its budget on allowed whitespace.
@@ -429,13 +428,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 @pytest.fixture(scope="module")
 def tools_client(server: LLMServer) -> Iterator[openai.OpenAI]:
     """The same server with a chat template that shows tools to the model."""
-    tokenizer = load_tokenizer(MODEL)
-    own_template = tokenizer.chat_template
     with serving_app(server, ChatOptions(chat_template="smollm2-tools")) as http:
         yield openai_client(http)
-    # The renderer set its template on the process-wide tokenizer: the other tests' apps
-    # (and other modules') render with the model's own again.
-    tokenizer.use_chat_template(own_template)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])

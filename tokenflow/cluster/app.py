@@ -19,6 +19,7 @@ from typing import Any
 
 from ray import serve
 
+from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.ingress import OpenAIIngress
 from tokenflow.cluster.server import LLMServer
 from tokenflow.cluster.serving_mode import check_cluster_env
@@ -78,7 +79,8 @@ def prompt_router_config(engine: EngineConfig, deployment: DeploymentConfig) -> 
     return {"request_router_class": cls,
             "request_router_kwargs": {"block_size": engine.cache.block_size,
                                       "tokenizer": model.tokenizer or model.model,
-                                      "model_name": model.name, **knob},
+                                      "model_name": model.name,
+                                      "chat_template": engine.chat_template, **knob},
             "request_routing_stats_period_s": period_s}
 
 
@@ -131,7 +133,7 @@ def bind_app(config: AppConfig) -> serve.Application:
         ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", **INGRESS_OPTIONS)
         return ingress.bind(server.bind(engine_args, stream_interval_s=config.stream_interval_s,
                                         prefill=prefill, max_queued_requests=max_queued),
-                            *http_args)
+                            *http_args, chat=ChatOptions.from_engine(config.engine))
     from tokenflow.cluster.replica_ingress import IngressLLMServer, ReplicaRouter
 
     server = serve.deployment(IngressLLMServer, name="LLMServer", **server_options(config))

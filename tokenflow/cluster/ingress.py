@@ -25,6 +25,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.errors import OpenAIError, service_unavailable
 from tokenflow.cluster.messages import StreamEvent
 from tokenflow.cluster.openai_serving import OpenAIServing, build_openai_app
@@ -143,8 +144,10 @@ class OpenAIIngress:
     `__serve_build_asgi_app__`."""
 
     def __init__(self, server: DeploymentHandle, model_name: str,
-                 api_key: str | None = None, tokenizer: str | None = None) -> None:
-        self._serving = OpenAIServing(_HandleBackend(server), model_name, api_key, tokenizer)
+                 api_key: str | None = None, tokenizer: str | None = None,
+                 chat: ChatOptions | None = None) -> None:
+        self._serving = OpenAIServing(_HandleBackend(server), model_name, api_key, tokenizer,
+                                      chat)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_app(self._serving)

@@ -345,8 +345,9 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
                          overlap_weight: float = 8.0, seed: int | None = None,
-                         model_name: str | None = None) -> None:
-        self._blocks = PromptBlocks(block_size, tokenizer, model_name)
+                         model_name: str | None = None, chat_template: str | None = None
+                         ) -> None:
+        self._blocks = PromptBlocks(block_size, tokenizer, model_name, chat_template)
         self._routing = KVRouting(overlap_weight, seed=seed)
         self._feed = KVEventFeed()
 

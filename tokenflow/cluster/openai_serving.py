@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from tokenflow.cluster.chat_output import ChatOptions, ChatOutputParser
 from tokenflow.cluster.errors import (
     OpenAIError,
     bad_request,
@@ -58,7 +59,11 @@ from tokenflow.cluster.protocol import (
     UnloadLoRAAdapterRequest,
     parse_request,
 )
+from tokenflow.cluster.reasoning import reasoning_parser
 from tokenflow.cluster.responses import ChatFormatter, CompletionFormatter, Formatter
+from tokenflow.cluster.responses_api import ResponsesRequest
+from tokenflow.cluster.responses_formatter import ResponsesFormatter
+from tokenflow.cluster.tools import ToolPlan
 from tokenflow.scheduler.pause import PauseState
 from tokenflow.scheduler.sampling_params import SamplingParams
 
@@ -258,8 +263,10 @@ class OpenAIServing:
     tokenizer, no model weights."""
 
     def __init__(self, backend: GenerationBackend, model_name: str,
-                 api_key: str | None = None, tokenizer: str | None = None) -> None:
-        self._prompts = PromptRenderer(tokenizer or model_name)
+                 api_key: str | None = None, tokenizer: str | None = None,
+                 chat: ChatOptions | None = None) -> None:
+        self._chat = chat or ChatOptions()
+        self._prompts = PromptRenderer(tokenizer or model_name, self._chat.chat_template)
         self._backend = backend
         self._model = model_name
         self._api_key = api_key or None
@@ -307,15 +314,35 @@ class OpenAIServing:
         self._authorize(request)
         body = await request.body()
         req = parse_request(ChatCompletionRequest, body)
-        params = req.to_sampling_params(default_max_tokens=None)
+        tools = req.tool_plan(self._chat.tool_call_parser)
+        params = req.to_sampling_params(default_max_tokens=None, tools=tools)
         params = dataclasses.replace(params, lora=await self._adapter(req.model))
-        fmt = ChatFormatter(params.lora or self._model, req.n, req.include_usage, req.logprobs)
+        fmt = ChatFormatter(params.lora or self._model, req.n, req.include_usage, req.logprobs,
+                            lambda: self.output_parser(tools, req.chat_template_kwargs))
         limit = await self._get_max_model_len()
         prompt_ids = await _tokenize(
             len(body), self._prompts.render_chat, req.conversation(), req.add_generation_prompt,
-            req.chat_template_kwargs, limit)
+            req.chat_template_kwargs, limit, tools.template_tools)
         stream = self._backend.generate([prompt_ids], params, fmt.id, req.priority, received,
                                         req.kv_transfer_params)
+        return await self._respond(stream, fmt, req.stream)
+
+    async def responses(self, request: Request) -> Response:
+        """`POST /v1/responses`, OpenAI's Responses API (cluster/responses_api.py): one chat
+        turn, its output as typed items. Nothing is stored: `store` is accepted and ignored,
+        `previous_response_id` is a 400."""
+        received = time.time()
+        self._authorize(request)
+        body = await request.body()
+        req = parse_request(ResponsesRequest, body)
+        tools = req.tool_plan(self._chat.tool_call_parser)
+        params = req.to_sampling_params(tools)
+        params = dataclasses.replace(params, lora=await self._adapter(req.model))
+        fmt = ResponsesFormatter(req, params.lora or self._model, self.output_parser(tools))
+        limit = await self._get_max_model_len()
+        prompt_ids = await _tokenize(len(body), self._prompts.render_chat, req.chat_messages(),
+                                     True, None, limit, tools.template_tools)
+        stream = self._backend.generate([prompt_ids], params, fmt.id, 0, received)
         return await self._respond(stream, fmt, req.stream)
 
     async def tokenize(self, request: Request) -> Response:
@@ -384,6 +411,16 @@ class OpenAIServing:
         return _json(PauseStatusResponse.of(await self._backend.pause_status()))
 
     # --------------------------------------------------------------------------- helpers
+    def output_parser(self, tools: ToolPlan | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> ChatOutputParser:
+        """A new parser of one choice's output: the configured reasoning parser (told whether
+        the template was asked not to think), then the tool parser `tools` asks for
+        (tokenflow/cluster/chat_output.py)."""
+        reasoning = None
+        if self._chat.reasoning_parser is not None:
+            reasoning = reasoning_parser(self._chat.reasoning_parser, chat_template_kwargs)
+        return ChatOutputParser(reasoning, None if tools is None else tools.output_parser())
+
     async def _get_max_model_len(self) -> int:
         if self._max_model_len is None:
             info = await self._backend.model_info()
@@ -427,7 +464,7 @@ class OpenAIServing:
         return await _collect(stream, fmt)
 
 
-def build_openai_app(serving: OpenAIServing) -> FastAPI:
+def build_openai_app(serving: OpenAIServing) -> FastAPI:  # noqa: C901 (a def per route)
     """The FastAPI app of the OpenAI routes, each delegating to `serving`."""
     app = FastAPI(title="tokenflow", description="OpenAI-compatible API on Ray Serve")
     install_error_handlers(app)
@@ -447,6 +484,10 @@ def build_openai_app(serving: OpenAIServing) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serving.responses(request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

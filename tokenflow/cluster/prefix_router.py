@@ -85,13 +85,15 @@ class PromptBlocks:
     """Turns a request's routing arguments into its prompt's chained block hashes, keyed by
     its LoRA adapter as the engine's prefix cache keys them (so a request goes where its
     adapter's blocks are); owns the tokenizer the `haproxy` mode needs (loaded on first use).
-    `model_name`: the base model's served name (a body naming it uses no adapter)."""
+    `model_name`: the base model's served name (a body naming it uses no adapter);
+    `chat_template`: the configured one (`engine.chat_template`), to render as the ingress does."""
 
     def __init__(self, block_size: int, tokenizer: str | None,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, chat_template: str | None = None) -> None:
         self.block_size = block_size
         self._tokenizer_path = tokenizer
         self._model_name = model_name
+        self._chat_template = chat_template
         self._renderer: Any = None
 
     def hashes(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
@@ -121,13 +123,15 @@ class PromptBlocks:
         if self._renderer is None:
             from tokenflow.cluster.prompts import PromptRenderer
 
-            self._renderer = PromptRenderer(self._tokenizer_path)
+            self._renderer = PromptRenderer(self._tokenizer_path, self._chat_template)
         try:
             messages = body.get("messages")
             if isinstance(messages, list):
-                return self._renderer.render_chat(messages, body.get("add_generation_prompt",
-                                                                     True),
-                                                  body.get("chat_template_kwargs"))
+                # Tools are part of the prompt unless tool_choice is none (tools.plan_tools).
+                tools = body.get("tools") if body.get("tool_choice") != "none" else None
+                return self._renderer.render_chat(
+                    messages, body.get("add_generation_prompt", True),
+                    body.get("chat_template_kwargs"), tools=tools)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt:
                 prompt = prompt[0]
@@ -190,8 +194,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, block_size: int = 16, tokenizer: str | None = None,
                          imbalanced_threshold: int = 8, min_match_blocks: int = 1,
                          index_capacity: int = 1 << 18, seed: int | None = None,
-                         model_name: str | None = None) -> None:
-        self._blocks = PromptBlocks(block_size, tokenizer, model_name)
+                         model_name: str | None = None, chat_template: str | None = None
+                         ) -> None:
+        self._blocks = PromptBlocks(block_size, tokenizer, model_name, chat_template)
         self._affinity = PrefixAffinity(imbalanced_threshold, min_match_blocks,
                                         index_capacity, seed)
         self._known: set[Hashable] = set()

@@ -6,10 +6,28 @@ engines get token ids. Detokenization of the output stays with the engine (it ow
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 from tokenflow.cluster.errors import bad_request
 from tokenflow.replica.loading.resolve import load_tokenizer
+
+# Chat templates shipped with tokenflow, by name (`engine.chat_template: smollm2-tools`).
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "assets" / "chat_templates"
+
+
+def read_chat_template(value: str) -> str:
+    """The jinja text `engine.chat_template` names: a file, or a shipped template's name."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    shipped = TEMPLATES_DIR / f"{value}.jinja"
+    if shipped.is_file():
+        return shipped.read_text(encoding="utf-8")
+    names = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+    raise ValueError(f"chat_template {value!r} is neither a file nor a shipped template "
+                     f"({', '.join(names)})")
 
 # Normalizers (NFKC, ...) can shrink text a few-fold before it is split into tokens; the
 # byte bound below allows for that, so it only refuses prompts that certainly do not fit.
@@ -22,8 +40,12 @@ class PromptRenderer:
     Its methods are blocking (tokenizing a long prompt takes a while): call them off the event
     loop."""
 
-    def __init__(self, tokenizer_path: str) -> None:
+    def __init__(self, tokenizer_path: str, chat_template: str | None = None) -> None:
         self.tokenizer = load_tokenizer(tokenizer_path)
+        if chat_template is not None:
+            # load_tokenizer's object is shared in the process: change a copy of it.
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.use_chat_template(read_chat_template(chat_template))
 
     def check_size(self, num_bytes: int, max_model_len: int, param: str) -> None:
         """Refuse, before tokenizing it, text whose byte length alone proves that it has more
@@ -43,14 +65,23 @@ class PromptRenderer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None,
-                    max_model_len: int | None = None) -> list[int]:
-        """The conversation's prompt token ids through the model's chat template."""
+                    max_model_len: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's prompt token ids through the model's chat template, with the
+        tool definitions when given (a 400 if the template cannot show them)."""
         if max_model_len is not None:
             size = sum(len(str(m.get("content") or "").encode()) for m in messages)
             self.check_size(size, max_model_len, "messages")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            if not self.tokenizer.template_takes_tools:
+                raise bad_request(
+                    "this model's chat template does not take tools: configure one that "
+                    "does (engine.chat_template, e.g. `smollm2-tools` for SmolLM2)", "tools")
+            kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
+                                                      **kwargs)
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
         except Exception as exc:  # a template that raises (jinja's raise_exception) on input

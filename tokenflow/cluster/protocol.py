@@ -4,7 +4,7 @@ Requests are checked here once, so that everything past the ingress can trust th
 out-of-range values and empty inputs fail validation (turned into a 400 by `cluster.errors`),
 and `to_sampling_params()` builds the engine-side `SamplingParams`. Unknown fields are ignored,
 since OpenAI clients send fields we have no use for; known OpenAI fields whose meaning we cannot
-honour (`echo`, `suffix`, `logit_bias`, `tools`, ...) are rejected instead of silently dropped.
+honour (`echo`, `suffix`, `logit_bias`, ...) are rejected instead of silently dropped.
 Scalars are strict (`"16"` is not an integer, `true` is not a number), as the OpenAI API is.
 
 Responses carry the `id`, `object` and `created` fields the OpenAI API returns, so the official
@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from tokenflow.cluster.errors import bad_request, from_validation_errors
+from tokenflow.cluster.tools import AssistantToolCall, ChatTool, ToolChoice, ToolPlan, plan_tools
 from tokenflow.scheduler.sampling_params import (
     MAX_SESSION_ID_LEN,
     RepetitionDetectionParams,
@@ -48,7 +49,7 @@ MAX_REPETITION_PATTERN_SIZE = 256
 
 StrictFloat = Annotated[float, Strict()]  # accepts ints (JSON has one number type), not bools
 TokenId = Annotated[StrictInt, Field(ge=0)]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 # Which stop ended a choice (vLLM's `stop_reason`): a stop token id, a stop string, or
 # "repetition"; None for EOS and length. Repetition is a "stop" for OpenAI clients, whose
 # finish reasons are a closed set.
@@ -254,11 +255,14 @@ class _SamplingRequest(_Request):
         """Whether a streamed response ends with a usage event."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The one output constraint the request gives, in whichever API's spelling."""
+    def _structured_outputs(self, tool_constraint: StructuredOutputsParams | None = None
+                            ) -> StructuredOutputsParams | None:
+        """The one output constraint the request gives, in whichever API's spelling (a
+        `required` or named tool choice is one too)."""
         guided = {"json": self.guided_json, "regex": self.guided_regex,
                   "choice": self.guided_choice, "grammar": self.guided_grammar}
         given = {name: value for name, value in (
+            ("tool_choice", tool_constraint),
             ("response_format", self.response_format
              if self.response_format and self.response_format.type != "text" else None),
             ("structured_outputs", self.structured_outputs),
@@ -272,12 +276,16 @@ class _SamplingRequest(_Request):
         try:
             if name.startswith("guided_"):
                 return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+            if isinstance(value, StructuredOutputsParams):
+                return value
             return value.to_params()
         except ValueError as exc:
             raise bad_request(str(exc), name) from exc
 
     def _build_sampling_params(self, max_tokens: int | None, default_max_tokens: int | None,
-                               min_tokens: int, logprobs: int | None) -> SamplingParams:
+                               min_tokens: int, logprobs: int | None,
+                               tool_constraint: StructuredOutputsParams | None = None
+                               ) -> SamplingParams:
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -299,7 +307,7 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=self._structured_outputs(),
+                structured_outputs=self._structured_outputs(tool_constraint),
                 repetition_detection=(self.repetition_detection.to_params()
                                       if self.repetition_detection is not None else None),
                 session_id=self.session_id,
@@ -416,12 +424,14 @@ class TextContentPart(_Request):
 
 class ChatMessage(_Request):
     """One chat message. `content` is a string or a list of text parts; an assistant message
-    may have no content (OpenAI allows it when it only carried tool calls)."""
+    may have no content (OpenAI allows it when it only carried tool calls). A `tool` message
+    answers the call `tool_call_id` names."""
 
     role: Role
     content: StrictStr | list[TextContentPart] | None = Field(default=None, validate_default=True)
     name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: StrictStr | None = Field(default=None, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -429,6 +439,25 @@ class ChatMessage(_Request):
         if value is None and info.data.get("role") != "assistant":
             raise ValueError("content is required for this role")
         return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return value
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, calls with their arguments
+        as objects, a tool result's call id."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         """The content as one string (text parts joined with newlines)."""
@@ -449,7 +478,9 @@ class ChatCompletionRequest(_SamplingRequest):
     min_tokens: StrictInt = Field(default=0, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -465,28 +496,28 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> None:
-        if value:
-            raise ValueError("tools are not supported")
-        return None
-
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as `{"role", "content"}` dicts of plain text, ready for a chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as dicts ready for a chat template (`ChatMessage.for_template`)."""
+        return [m.for_template() for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+    def tool_plan(self, parser_name: str) -> ToolPlan:
+        """What `tools` and `tool_choice` make of this request (tokenflow/cluster/tools.py)."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser_name)
+
+    def to_sampling_params(self, default_max_tokens: int | None,
+                           tools: ToolPlan | None = None) -> SamplingParams:
         """Engine params; `default_max_tokens` applies when neither max field was given
-        (None: the engine's default, the room left in the context after the prompt)."""
+        (None: the engine's default, the room left in the context after the prompt). A
+        `required` or named tool choice constrains the output (`tools.constraint`)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        constraint = None if tools is None else tools.constraint
         return self._build_sampling_params(self.effective_max_tokens, default_max_tokens,
-                                           self.min_tokens, logprobs)
+                                           self.min_tokens, logprobs, constraint)
 
 
 # ---------------------------------------------------------------- responses
@@ -573,11 +604,29 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of a whole chat completion's message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant's message in a whole chat completion."""
+    """The assistant's message in a whole chat completion: its text, the text it reasoned in
+    (`reasoning_content`, vLLM's field, with a reasoning parser) and its tool calls."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -604,11 +653,30 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    """A piece of a streamed call: the name in its first chunk, then argument fragments."""
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of the `index`-th tool call of a choice; `id` and `type` in its first chunk."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
-    """What a stream chunk adds to a choice: the role in the first chunk, then text."""
+    """What a stream chunk adds to a choice: the role in the first chunk, then text,
+    reasoning text or tool-call pieces."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

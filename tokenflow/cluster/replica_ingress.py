@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.ingress import broadcast
 from tokenflow.cluster.openai_serving import LocalBackend, OpenAIServing, build_openai_app
 from tokenflow.cluster.server import LLMServer
@@ -74,7 +75,8 @@ class IngressLLMServer(LLMServer):
                  api_key: str | None = None, tokenizer: str | None = None,
                  **server_kwargs: Any) -> None:
         super().__init__(engine_config, **server_kwargs)
-        self._serving = OpenAIServing(_ReplicaBackend(self), model_name, api_key, tokenizer)
+        self._serving = OpenAIServing(_ReplicaBackend(self), model_name, api_key, tokenizer,
+                                      ChatOptions.from_engine(engine_config))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_openai_app(self._serving)

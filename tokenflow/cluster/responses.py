@@ -11,8 +11,10 @@ string, "repetition" (repetition detection), or null for EOS and length.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenflow.cluster.chat_output import ChatOutputParser, OutputDelta, ToolCallDelta
 from tokenflow.cluster.errors import OpenAIError, error_body, service_unavailable
 from tokenflow.cluster.messages import Finished, SeqDelta, TokenLogprob
 from tokenflow.cluster.protocol import (
@@ -28,7 +30,11 @@ from tokenflow.cluster.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -199,13 +205,22 @@ class CompletionFormatter(Formatter):
 
 
 class ChatFormatter(Formatter):
-    """`chat.completion` bodies and `chat.completion.chunk` events for one chat request."""
+    """`chat.completion` bodies and `chat.completion.chunk` events for one chat request.
+
+    Each choice's text goes through a `ChatOutputParser` (`new_parser`, one per choice: the
+    configured reasoning parser and the request's tool parser) that splits it into
+    `reasoning_content`, `content` and `tool_calls`; a choice that called tools and stopped
+    finishes with "tool_calls". A whole response parses each choice's whole text with a new
+    parser, so it matches the stream of the same generation."""
 
     def __init__(self, model: str, num_choices: int, include_usage: bool,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool,
+                 new_parser: Callable[[], ChatOutputParser] = ChatOutputParser) -> None:
         super().__init__(model, num_choices, include_usage)
         self.id = random_id("chatcmpl")
         self.want_logprobs = want_logprobs
+        self._new_parser = new_parser
+        self._parsers = [new_parser() for _ in range(num_choices)]
 
     def _chat_logprobs(self, entries: list[TokenLogprob] | None) -> ChatChoiceLogprobs | None:
         if not self.want_logprobs:
@@ -231,11 +246,19 @@ class ChatFormatter(Formatter):
         failure = self._failure(merged)
         if failure is not None:
             return self._sse_tail(failure)
-        choices = [ChatCompletionStreamChoice(
-            index=i, delta=DeltaMessage(content=d.text), finish_reason=d.finish_reason,
-            stop_reason=d.stop_reason, logprobs=self._chat_logprobs(d.logprobs))
-            for i, d in sorted(merged.items())]
-        return [self._chunk(choices)]
+        choices = []
+        for i, d in sorted(merged.items()):
+            parser = self._parsers[i]
+            out = parser.feed(d.text)
+            if d.finish_reason is not None:
+                out.extend(parser.finish())
+            elif not out and d.text and not self.want_logprobs:
+                continue  # the parser holds this text back (a tag may be starting)
+            choices.append(ChatCompletionStreamChoice(
+                index=i, delta=_delta_message(out),
+                finish_reason=_finish_reason(d.finish_reason, parser),
+                stop_reason=d.stop_reason, logprobs=self._chat_logprobs(d.logprobs)))
+        return [self._chunk(choices)] if choices else []
 
     def _usage_chunk(self, usage: UsageInfo) -> str:
         return sse_event(ChatCompletionStreamResponse(id=self.id, model=self.model, choices=[],
@@ -243,11 +266,54 @@ class ChatFormatter(Formatter):
 
     def response(self, finished: Finished) -> ChatCompletionResponse:
         self._check_whole()
-        choices = [ChatCompletionChoice(index=i, message=ChatResponseMessage(content=c.text),
-                                        finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason,
-                                        logprobs=self._chat_logprobs(c.logprobs))
-                   for i, c in enumerate(self.choices)]
+        choices = []
+        for i, c in enumerate(self.choices):
+            parser = self._new_parser()
+            out = parser.feed(c.text)
+            out.extend(parser.finish())
+            choices.append(ChatCompletionChoice(
+                index=i, message=_whole_message(out),
+                finish_reason=_finish_reason(c.finish_reason, parser),
+                stop_reason=c.stop_reason, logprobs=self._chat_logprobs(c.logprobs)))
         return ChatCompletionResponse(id=self.id, model=self.model, choices=choices,
                                       usage=self.usage(finished),
                                       kv_transfer_params=finished.kv_transfer_params)
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
+
+
+def _delta_message(out: OutputDelta) -> DeltaMessage:
+    """A chunk's delta: text as `content` ("" when nothing else came either), reasoning and
+    tool-call pieces in their own fields."""
+    other = bool(out.reasoning or out.tool_calls)
+    return DeltaMessage(
+        content=out.content if out.content or not other else None,
+        reasoning_content=out.reasoning or None,
+        tool_calls=[DeltaToolCall(index=t.index, id=t.id, type="function" if t.id else None,
+                                  function=DeltaFunctionCall(name=t.name, arguments=t.arguments))
+                    for t in out.tool_calls] or None)
+
+
+def _whole_message(out: OutputDelta) -> ChatResponseMessage:
+    """A choice's message: with tool calls, content is only what is more than layout."""
+    calls = _join_calls(out.tool_calls)
+    content: str | None = out.content
+    if calls:
+        content = out.content.strip() or None
+    return ChatResponseMessage(content=content, reasoning_content=out.reasoning or None,
+                               tool_calls=calls)
+
+
+def _join_calls(pieces: list[ToolCallDelta]) -> list[ToolCall]:
+    calls: dict[int, ToolCall] = {}
+    for piece in pieces:
+        call = calls.get(piece.index)
+        if call is None:
+            assert piece.id is not None and piece.name is not None, "a call starts with its id"
+            calls[piece.index] = ToolCall(id=piece.id, function=FunctionCall(
+                name=piece.name, arguments=piece.arguments))
+        else:
+            call.function.arguments += piece.arguments
+    return [calls[i] for i in sorted(calls)]

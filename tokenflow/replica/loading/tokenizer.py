@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -146,6 +146,20 @@ class Tokenizer:
         return self._special_tokens.get("eos_token")
 
     # -- chat -----------------------------------------------------------------------------
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (jinja text) instead of the model's own."""
+        self.chat_template = template
+        self._compiled_template = None
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads `tools` (one that does not would silently drop
+        the tool definitions)."""
+        if self.chat_template is None:
+            return False
+        return "tools" in meta.find_undeclared_variables(
+            _chat_environment().parse(self.chat_template))
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
