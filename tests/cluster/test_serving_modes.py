@@ -45,6 +45,14 @@ ENGINE: dict[str, Any] = {
     "scheduler": {"max_model_len": 256, "max_num_batched_tokens": 256},
 }
 PROMPTS = ["The quick brown fox", "Ray Serve replicas"]
+# A configured chat template (engine.chat_template, a file) that shows tools: short, so that a
+# request with tools fits the tiny context. Every mode's ingress must render with it.
+TOOLS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                  "{% if tools %}<|tools|>{{ tools | map(attribute='function.name') | join(',') }}"
+                  "{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}},
+                                     "required": ["q"]}}}
 MAX_TOKENS = 240  # of each stream of the resume test (max_model_len is 256)
 READY = "serving the OpenAI API"
 
@@ -128,8 +136,11 @@ def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
            **deployment: Any) -> tuple[ServeProcess, str]:
     port = free_port()
     config = tmp_path / f"{mode.value}.yaml"
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
     config.write_text(yaml.safe_dump({
-        "engine": {**ENGINE, **(engine or {})}, "serving_mode": mode.value,
+        "engine": {**ENGINE, "chat_template": str(template), **(engine or {})},
+        "serving_mode": mode.value,
         "deployment": {"num_replicas": num_replicas,
                        "ray_actor_options": {"num_cpus": 0.25}, **deployment}}))
     ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
@@ -159,6 +170,13 @@ def _check_the_api(base_url: str, offline: LLM) -> None:
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.usage.completion_tokens <= 4 and chat.choices[0].message.role == "assistant"
+    # Tools reach the configured template, and a required call is a valid one.
+    called = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "find fox"}], tools=[LOOKUP],
+        tool_choice="required", max_tokens=64, temperature=0)
+    assert called.choices[0].message.tool_calls[0].function.name == "lookup"
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=4)
+    assert response.usage.output_tokens <= 4 and isinstance(response.output_text, str)
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
     assert bad.value.status_code == 400 and "max_tokens" in str(bad.value)
