@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+def tag_prefix_len(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (held back by a
+    parser until the next delta says whether the tag is there)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 @dataclass
 class ToolCallDelta:
     """A piece of one tool call: its first delta has `id` and `name` (and maybe arguments),

@@ -25,18 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tokenflow.cluster.chat_output import ReasoningParser
+from tokenflow.cluster.chat_output import ReasoningParser, tag_prefix_len
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-
-def _tag_prefix_len(text: str, tag: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ThinkReasoningParser:
@@ -65,7 +57,7 @@ class ThinkReasoningParser:
         if tag:
             self._state = self._CONTENT
             return reasoning, content
-        keep = _tag_prefix_len(text, THINK_END)
+        keep = tag_prefix_len(text, THINK_END)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 

@@ -20,7 +20,7 @@ import json
 import secrets
 from abc import ABC, abstractmethod
 
-from tokenflow.cluster.chat_output import OutputDelta, ToolCallDelta
+from tokenflow.cluster.chat_output import OutputDelta, ToolCallDelta, tag_prefix_len
 
 _NAME_KEYS = ("name",)
 _ARGUMENT_KEYS = ("arguments", "parameters")
@@ -179,14 +179,6 @@ class _CallStream:
         return raw
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class BaseToolParser(ABC):
     """Shared state of a parser: the call stream and the text not yet decided."""
 
@@ -230,7 +222,7 @@ class HermesToolParser(BaseToolParser):
             if not self._calls.open:
                 i = self._buffer.find(self.START)
                 if i < 0:
-                    keep = _held_prefix(self._buffer, self.START)
+                    keep = tag_prefix_len(self._buffer, self.START)
                     self._content(out, self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     return
