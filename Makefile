@@ -46,10 +46,12 @@ lint: $(STAMP)
 # Everything, as two pytest processes side by side: the slow tier mostly waits (on Ray
 # clusters starting, servers, timeouts) while the fast tier computes, so on 2 cores they take
 # little longer together than the slow tier alone. The fast tier's report follows the slow
-# one's (its log: .test-fast.log); either failing fails the target.
+# one's (its log: .test-fast.log); either failing fails the target. The fast tier runs at a
+# lower priority: the slow tier is the longer one, and its clusters' timeouts should not wait on
+# the fast tier's arithmetic.
 test: lint
 	@echo "make test: the fast tier runs beside the slow tier (its report comes last, log .test-fast.log)"
-	@$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not multinode" \
+	@nice -n 15 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not multinode" \
 		--basetemp=.pytest-fast-tmp $(PYTEST_ARGS) > .test-fast.log 2>&1 & fast=$$!; \
 	$(VENV)/bin/pytest -q -m "slow or multinode" $(PYTEST_ARGS); slow_rc=$$?; \
 	wait $$fast; fast_rc=$$?; \
