@@ -13,12 +13,14 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,18 @@ def test_the_default_mode_is_the_one_the_test_cluster_runs() -> None:
 # ------------------------------------------------------------------------------- end to end
 
 
+# The Ray temp dirs `_start` made (short paths in /tmp: Ray's socket paths must stay under 108
+# bytes), removed after each test.
+_RAY_TMP_DIRS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_ray_tmp_dirs() -> Iterator[None]:
+    yield
+    while _RAY_TMP_DIRS:
+        shutil.rmtree(_RAY_TMP_DIRS.pop(), ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def offline() -> LLM:
     return LLM(config=EngineConfig.model_validate(ENGINE))
@@ -144,6 +158,7 @@ def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
         "deployment": {"num_replicas": num_replicas,
                        "ray_actor_options": {"num_cpus": 0.25}, **deployment}}))
     ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
+    _RAY_TMP_DIRS.append(ray_tmp)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     server = ServeProcess(["--config", str(config), "--port", str(port), "--api-key",
