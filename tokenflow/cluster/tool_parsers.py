@@ -200,6 +200,12 @@ class BaseToolParser(ABC):
     def _parse(self, out: OutputDelta) -> None:
         """Move what can be decided from the buffer into `out`."""
 
+    def _scan_char(self, out: OutputDelta) -> None:
+        """Move the buffer's first character into the open call object."""
+        ch, self._buffer = self._buffer[0], self._buffer[1:]
+        for piece in self._calls.push(ch):
+            out.add_call(piece)
+
     def finish(self) -> OutputDelta:
         out = OutputDelta()
         if self._calls.open and not self._calls.started:
@@ -235,9 +241,7 @@ class HermesToolParser(BaseToolParser):
     def _close_call(self, out: OutputDelta) -> bool:
         """Scan the open call; True once its block ended (the buffer holds what follows)."""
         while self._buffer and not (self._calls.closed or self._calls.invalid):
-            ch, self._buffer = self._buffer[0], self._buffer[1:]
-            for piece in self._calls.push(ch):
-                out.add_call(piece)
+            self._scan_char(out)
         if self._calls.invalid and not self._calls.started:
             # Not a call: wait for the block's end, then give it all back as content.
             i = self._buffer.find(self.END)
@@ -296,9 +300,7 @@ class Llama3JsonToolParser(BaseToolParser):
                     return
                 self._buffer = rest
                 self._calls.start()
-            ch, self._buffer = self._buffer[0], self._buffer[1:]
-            for piece in self._calls.push(ch):
-                out.add_call(piece)
+            self._scan_char(out)
             if self._calls.invalid and not self._calls.started:
                 self._mode = "content"
                 lead = "" if self.num_calls else self._lead
@@ -357,9 +359,7 @@ class CallArrayParser(BaseToolParser):
                     return
                 self._buffer = rest
                 self._calls.start()
-            ch, self._buffer = self._buffer[0], self._buffer[1:]
-            for piece in self._calls.push(ch):
-                out.add_call(piece)
+            self._scan_char(out)
             if self._calls.closed or self._calls.invalid:
                 self._calls.end()
 
