@@ -64,7 +64,13 @@ TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           # is left, to Serve's fallback proxy, which holds it until Serve has started one.
           "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
           "RAY_SERVE_HAPROXY_RETRIES": "10",
-          "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "2s"}
+          "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "2s",
+          # Ray starts its workers (every replica and engine process among them) at nice 15,
+          # to keep its own daemons responsive: on a node that does anything else (a log
+          # shipper, a build, a second tenant) the engine then gets a sliver of a core. Seen:
+          # beside two busy processes on 2 cores a replica took 5 minutes to start and a stream
+          # 10x its time. Serving is the node's work; it competes as an equal.
+          "RAY_worker_niceness": "0"}
 _ALL_SWITCHES = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
                  "RAY_SERVE_USE_GRPC_BY_DEFAULT")
 
