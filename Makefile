@@ -63,9 +63,13 @@ test: lint
 		&& { [ $$slow_rc -eq 0 ] || [ $$fast_rc -eq 0 ]; }  # 5: a -k that left a tier empty
 
 # The fast tier: every test that starts no Ray cluster (tests/tiers.py marks the others slow),
-# in about two minutes. `make test` (what CI runs) is still everything.
+# in under three minutes on 2 cores. `make test` (what CI runs) is still everything. On
+# FAST_WORKERS processes (pytest-xdist), a test file per worker at a time (module fixtures are
+# built once), one torch thread each: two workers of two threads on two cores were slower.
+FAST_WORKERS ?= 2
 test-fast: lint
-	$(VENV)/bin/pytest -q -m "not slow and not multinode" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not multinode" \
+		-n $(FAST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/tokenflow serve --config configs/local.yaml
