@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,3 +229,32 @@ async def test_async_engine_in_its_own_process(setup):
         assert engine.remove_lora("all") and engine.list_loras() == []
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("order", ["grouped", "interleaved"])
+def test_segmented_and_masked_deltas_agree(order):
+    """The two forms of a step's delta (`models/lora.py`): per-slot token runs (a large step)
+    and the mask (a small one) give the same rows, whether the requests come grouped by
+    adapter (as the runner orders them) or interleaved (a run per request)."""
+    from tokenflow.replica.models.lora import GROUPED_MIN_TOKENS, LoRALinear, LoRAStep
+
+    torch.manual_seed(0)
+    step = LoRAStep(max_rank=4, dtype=torch.float32)
+    base = torch.nn.Linear(16, 12, bias=False)
+    lora = LoRALinear(base, (8, 4), 16, num_slots=3, step=step, device=torch.device("cpu"))
+    for slot in range(3):
+        lora.set_slot(slot, [(torch.randn(4, 16), torch.randn(8, 4)),
+                             (torch.randn(2, 16), torch.randn(4, 2)) if slot else None], 0.5)
+    slots = [-1, 0, 0, 2, 1, 1, -1, 2] if order == "grouped" else [0, 2, -1, 1, 0, 2, 1, -1]
+    request_slots = np.array(sorted(slots) if order == "grouped" else slots)
+    query_lens = np.full(len(request_slots), GROUPED_MIN_TOKENS // 4)
+    x = torch.randn(int(query_lens.sum()), 16)
+    step.set(request_slots, query_lens, {lora.width}, torch.device("cpu"))
+    assert step.segments and not step.masks
+    segmented = lora(x)
+    step.segments = []  # the same tokens through the mask
+    token_slots = torch.from_numpy(np.repeat(request_slots, query_lens))
+    onehot = (token_slots[:, None] == torch.arange(step.num_slots)).float()
+    step.masks = {lora.width: onehot.repeat_interleave(lora.width, dim=1)}
+    torch.testing.assert_close(segmented, lora(x))
+    assert not torch.equal(segmented, base(x))

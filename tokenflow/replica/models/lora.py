@@ -21,12 +21,15 @@ a `QuantizedLinear`: the delta is float, added on top.
 
 A step of many tokens (a prefill chunk) is bound by arithmetic instead, and there the mask
 makes every token multiply by every slot's columns: such a step takes each slot's tokens
-(grouped once a step) through that slot's own A and B, and adds the result to their rows
-(punica's segmented form). `GROUPED_MIN_TOKENS` decides which form a step takes.
+through that slot's own A and B and adds the result to their rows (punica's segmented form).
+The runner orders a step's requests by adapter, so a slot's tokens are one contiguous run and
+its delta is two matmuls on views: no gather, no scatter. `GROUPED_MIN_TOKENS` decides which
+form a step takes.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,30 +45,34 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
 class LoRAStep:
     """Owns the step's per-token slot assignment, shared by a stage's `LoRALinear`s: for
     each width P * R, a [T, n * P * R] mask (n: slots up to the highest in use), or for a
-    large step each used slot's token indices (`groups`); neither when no token of the step
-    uses an adapter."""
+    large step the contiguous token runs of each slot (`segments`); neither when no token of
+    the step uses an adapter."""
 
     def __init__(self, max_rank: int, dtype: torch.dtype) -> None:
         self.max_rank, self.dtype = max_rank, dtype
         self.num_slots = 0
         self.masks: dict[int, torch.Tensor] = {}
-        self.groups: list[tuple[int, torch.Tensor]] = []  # (slot, its tokens' rows)
+        self.segments: list[tuple[int, int, int]] = []  # (slot, first token, end)
 
-    def set(self, token_slots: torch.Tensor | None, widths: set[int]) -> None:
-        """`token_slots` [T]: each token's slot, -1 for the base model (None: all are)."""
-        self.groups = []
-        if token_slots is None:
-            self.num_slots, self.masks = 0, {}
+    def set(self, request_slots: np.ndarray, query_lens: np.ndarray, widths: set[int],
+            device: torch.device) -> None:
+        """Each request's slot (-1: the base model) and token count, in the step's order."""
+        self.segments, self.masks, self.num_slots = [], {}, 0
+        if not len(request_slots) or request_slots.max() < 0:
             return
-        self.num_slots = int(token_slots.max()) + 1
-        if len(token_slots) >= GROUPED_MIN_TOKENS:
-            self.masks = {}
-            for slot in range(self.num_slots):
-                rows = (token_slots == slot).nonzero().flatten()
-                if len(rows):
-                    self.groups.append((slot, rows))
+        self.num_slots = int(request_slots.max()) + 1
+        if query_lens.sum() >= GROUPED_MIN_TOKENS:
+            # Runs of requests with the same slot (the runner puts an adapter's requests
+            # together, so there is about one run per slot), as token ranges.
+            bounds = np.concatenate([[0], np.cumsum(query_lens)])
+            firsts = np.flatnonzero(np.diff(request_slots, prepend=-2))
+            lasts = np.append(firsts[1:], len(request_slots))
+            self.segments = [(int(request_slots[f]), int(bounds[f]), int(bounds[e]))
+                             for f, e in zip(firsts, lasts, strict=True)
+                             if request_slots[f] >= 0 and bounds[e] > bounds[f]]
             return
-        slots = torch.arange(self.num_slots, device=token_slots.device)
+        token_slots = torch.from_numpy(np.repeat(request_slots, query_lens)).to(device)
+        slots = torch.arange(self.num_slots, device=device)
         onehot = (token_slots[:, None] == slots).to(self.dtype)  # [T, n]
         self.masks = {w: onehot.repeat_interleave(w, dim=1) for w in widths}
 
@@ -92,13 +99,13 @@ class LoRALinear(nn.Module):
         n = self.step.num_slots
         if not n or not self.loaded:
             return y
-        if self.step.groups:
-            for slot, rows in self.step.groups:
+        if self.step.segments:
+            width = self.width
+            for slot, first, end in self.step.segments:
                 if slot in self.loaded:
-                    first = slot * self.width
-                    a = self.lora_a[first:first + self.width]
-                    bt = self.lora_bt[first:first + self.width]
-                    y.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a.T), bt))
+                    rows = slice(slot * width, (slot + 1) * width)
+                    y[first:end].addmm_(torch.mm(x[first:end], self.lora_a[rows].T),
+                                        self.lora_bt[rows])
             return y
         cols = n * self.width
         xa = torch.mm(x, self.lora_a[:cols].T) * self.step.masks[self.width]  # [T, cols]

@@ -133,9 +133,14 @@ class InputBatch:
         return self._free_rows.pop()
 
     # ---------------------------------------------------------------------------- inputs
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled requests into one varlen batch (numpy, no per-token loop)."""
+    def prepare(self, out: SchedulerOutput, group_by_lora: bool = False) -> StepInputs:
+        """Flatten the scheduled requests into one varlen batch (numpy, no per-token loop).
+        With `group_by_lora`, the requests of one adapter come together (a stable order by
+        adapter name, the base model first), so each adapter's tokens are one contiguous run
+        (`models/lora.py`); every stage of a pipeline orders them the same way."""
         req_ids = list(out.num_scheduled_tokens)
+        if group_by_lora:
+            req_ids.sort(key=lambda r: _lora_name(self.states[r]))
         states = [self.states[r] for r in req_ids]
         for req_id, drafts in out.scheduled_spec_decode_tokens.items():
             state = self.states[req_id]
@@ -143,7 +148,8 @@ class InputBatch:
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         num_known = np.fromiter((s.num_tokens for s in states), np.int64, len(states))
-        query_lens = np.fromiter(out.num_scheduled_tokens.values(), np.int64, len(states))
+        scheduled = out.num_scheduled_tokens
+        query_lens = np.fromiter((scheduled[r] for r in req_ids), np.int64, len(states))
         spec = out.scheduled_spec_decode_tokens
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, len(states))
                       if spec else np.zeros(len(states), dtype=np.int64))
@@ -169,3 +175,7 @@ class InputBatch:
             sample_mask=seq_lens - num_drafts >= num_known,
             drafts=spec,
         )
+
+
+def _lora_name(state: CachedRequestState) -> str:
+    return "" if state.lora is None else "\0" + state.lora.name  # the base model first

@@ -59,13 +59,9 @@ class StageLoRA:
 
     def begin_step(self, adapters: list[LoRAAdapter | None], query_lens: np.ndarray,
                    device: torch.device) -> None:
-        """The step's masks from each request's adapter (request order) and token count."""
+        """The step's masks or segments from each request's adapter and token count, in the
+        step's request order."""
         slot_of = self.slot_of
         slots = np.fromiter((-1 if a is None else slot_of[a] for a in adapters), np.int64,
                             len(adapters))
-        if not len(slots) or slots.max() < 0:
-            self.step.set(None, self._widths)
-            return
-        token_slots = torch.from_numpy(np.repeat(slots, query_lens)).to(device)
-        self.step.set(token_slots, self._widths)
-
+        self.step.set(slots, query_lens, self._widths, device)

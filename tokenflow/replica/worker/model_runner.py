@@ -60,7 +60,7 @@ class ModelRunner:
         self.batch.apply(sched_out)
         if sched_out.total_num_scheduled_tokens == 0:
             return None if not self.model.is_last_stage else ModelRunnerOutput([], [])
-        inputs = self.batch.prepare(sched_out)
+        inputs = self.batch.prepare(sched_out, group_by_lora=self.lora is not None)
         if self.lora is not None:
             self._begin_lora(sched_out, inputs)
         meta = AttentionMetadata.build(
