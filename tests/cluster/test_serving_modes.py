@@ -147,6 +147,7 @@ def offline() -> LLM:
 
 def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
            engine: dict[str, Any] | None = None, cli_args: tuple[str, ...] = (),
+           cluster_env: dict[str, str] | None = None,
            **deployment: Any) -> tuple[ServeProcess, str]:
     port = free_port()
     config = tmp_path / f"{mode.value}.yaml"
@@ -160,7 +161,8 @@ def _start(mode: ServingMode, num_replicas: int, tmp_path: Path,
     ray_tmp = tempfile.mkdtemp(prefix="tf-", dir="/tmp")  # its own cluster, its own files
     _RAY_TMP_DIRS.append(ray_tmp)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+               **(cluster_env or {}))
     server = ServeProcess(["--config", str(config), "--port", str(port), "--api-key",
                            API_KEY, "--no-dashboard", *cli_args], env)
     return server, f"http://127.0.0.1:{port}"
@@ -221,10 +223,11 @@ def test_every_other_mode_serves_the_api(mode: ServingMode, offline: LLM,
 
 @pytest.mark.slow
 def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
-    """Two replicas behind the KV-aware router (which reads the prompt HAProxy forwards, as
+    """Two replicas behind two KV-aware routers (which read the prompt HAProxy forwards, as
     the prefix-aware one does): unrelated requests spread over both (by load), and requests
-    that share a long prefix all go where it is cached, also after the router's process is
-    killed and restarted (it learns from the replicas' KV-event replay). Each replica's engine
+    that share a long prefix all go where it is cached, also while one router's process is
+    dead (HAProxy asks the other: nothing is refused) and after Serve has replaced it (the
+    new one learns from the replicas' KV-event replay). Each replica's engine
     runs in a child process of the replica (`engine_loop: auto`, the default), and the API is
     the same, token-exact, also for each of three LoRA adapters the config names (as the
     offline engine with them gives). `/pause` and `/resume` reach both replicas, and SIGTERM
@@ -234,7 +237,8 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
                 for i in (1, 2, 3)}
     lora = {"max_loras": 2, "lora_modules": adapters}
     server, url = _start(mode, 2, tmp_path, {"lora": lora},
-                         cli_args=("--drain-timeout", "120"), request_router="kv_aware")
+                         cli_args=("--drain-timeout", "120"), request_router="kv_aware",
+                         cluster_env={"RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": "2"})
     try:
         server.wait_for(READY)
         assert f"serving mode {mode.value}:" in server.output
@@ -262,24 +266,30 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
         assert system_blocks >= 3
         assert cached[0] == 0 and all(c >= 16 * system_blocks for c in cached[1:]), cached
 
-        # The router's process dies; Serve starts another, which knows nothing of its own
-        # and replays what each replica holds: the prefix still goes where it is cached.
-        [(router, _)] = server.descendants("ServeReplica:tokenflow:ReplicaRouter")
-        router.kill()
-        # Until the new router has started. Meanwhile HAProxy sends requests to Serve's own
-        # proxy, whose router never sees the prompt (it gets the HTTP request, not the body).
+        # One router's process dies. At once, before Serve or HAProxy know: HAProxy's call to
+        # it fails to connect and it asks the other, which knows where the prefix is.
+        def routers() -> list[psutil.Process]:  # (a busy one's title names its method)
+            return [p for p, _ in server.descendants("ray::ServeReplica:tokenflow:ReplicaRouter")]
+
+        def cached_tokens(users: range) -> list[int]:
+            return [client.completions.create(model=MODEL, prompt=f"{system} user {user} asks",
+                                              max_tokens=2, temperature=0
+                                              ).usage.prompt_tokens_details.cached_tokens
+                    for user in users]
+
+        first, second = routers()
+        first.kill()
+        first.wait(timeout=30)
+        during = cached_tokens(range(8, 12))
+        assert all(c >= 16 * system_blocks for c in during), during
+        # Serve starts another, which knows nothing of its own and replays what each replica
+        # holds: the prefix still goes where it is cached, whichever router HAProxy asks.
         deadline = time.monotonic() + 180
-        while not [p for p, cmdline in server.descendants("ServeReplica:tokenflow:ReplicaRouter")
-                   if p.pid != router.pid
-                   and cmdline.strip() == "ray::ServeReplica:tokenflow:ReplicaRouter"]:
+        while not [p for p in routers() if p.pid not in (first.pid, second.pid)]:
             assert time.monotonic() < deadline, "no router came back"
             time.sleep(0.5)
-        time.sleep(5)  # HAProxy asks it again
-        client.completions.create(model=MODEL, prompt="warm up", max_tokens=1)
-        after = [client.completions.create(model=MODEL, prompt=f"{system} user {user} asks",
-                                           max_tokens=2, temperature=0
-                                           ).usage.prompt_tokens_details.cached_tokens
-                 for user in range(8, 12)]
+        time.sleep(5)  # HAProxy learns of it
+        after = cached_tokens(range(12, 18))
         assert all(c >= 16 * system_blocks for c in after), after
         _pause_resume_and_drain(server, url)
     finally:

@@ -180,6 +180,14 @@ def test_every_pod_gets_the_serving_modes_switches(mode: ServingMode | None) -> 
         assert _env(template["spec"]["containers"][0]) == expected
 
 
+def test_ingress_routers_per_node_reach_every_pod() -> None:
+    expected = {**_serving_env(AppConfig().serving_mode),
+                "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": "2"}
+    for template in _pod_templates(_service(render({"ingressRoutersPerNode": 2}))):
+        assert _env(template["spec"]["containers"][0]) == expected
+    assert "ingressRoutersPerNode" in _install_error({"ingressRoutersPerNode": 0})
+
+
 @pytest.mark.parametrize("router", ["prefix_aware", "kv_aware"])
 @pytest.mark.parametrize("mode", list(ServingMode))
 def test_a_router_that_reads_the_prompt_gets_the_request_body_from_haproxy(

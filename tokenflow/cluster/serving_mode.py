@@ -70,7 +70,15 @@ TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           # shipper, a build, a second tenant) the engine then gets a sliver of a core. Seen:
           # beside two busy processes on 2 cores a replica took 5 minutes to start and a stream
           # 10x its time. Serving is the node's work; it competes as an equal.
-          "RAY_worker_niceness": "0"}
+          "RAY_worker_niceness": "0",
+          # The `haproxy` mode's ingress request routers (`ReplicaRouter`) per node: HAProxy
+          # asks them in turn, and the next when one refuses the connection. With one, the
+          # seconds between its process dying and HAProxy learning of Serve's replacement
+          # answer 503 ("router_unreachable"); with two, nothing is refused, for one more
+          # process per node (kv_aware routers share what they know through the replicas'
+          # events; prefix_aware ones each keep their own guesses). Serve takes the count from
+          # here only, not from the deployment's num_replicas.
+          "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE": "1"}
 _ALL_SWITCHES = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS",
                  "RAY_SERVE_USE_GRPC_BY_DEFAULT")
 

@@ -143,6 +143,8 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "2s"
 - name: RAY_worker_niceness
   value: "0"
+- name: RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
+  value: {{ .Values.ingressRoutersPerNode | default 1 | quote }}
 {{- $router := (.Values.tokenflow.deployment | default dict).request_router | default "power_of_two" }}
 {{- if and (eq $mode "haproxy") (or (eq $router "prefix_aware") (eq $router "kv_aware")) }}
 - name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
