@@ -158,3 +158,17 @@ def test_a_replicas_load_is_its_last_report_plus_what_was_routed_there_since() -
     assert routing.reported_load("a", report) == 5
     # The next report counts them itself.
     assert routing.reported_load("a", {"requests": 4, "report": 8}) == 4
+
+
+def test_a_prefix_cached_nowhere_goes_back_where_it_went_while_the_load_allows() -> None:
+    routing = KVRouting(overlap_weight=4.0, prediction_ttl_s=1.0, seed=0)
+    prompt = [5, 6, 7, 8]
+    home = routing.choose(prompt, {"a": 0, "b": 0}, {"a": 0, "b": 1}, now=0.0)[0]
+    assert home == "a"  # the idler one, the first time
+    # Long after (the prediction expired), evicted everywhere: back to a, though b is idler...
+    assert routing.choose(prompt, {"a": 0, "b": 0}, {"a": 3, "b": 0}, now=10.0)[0] == "a"
+    # ...but not past the weight's worth of imbalance, and then b becomes its home.
+    assert routing.choose(prompt, {"a": 0, "b": 0}, {"a": 5, "b": 0}, now=20.0)[0] == "b"
+    assert routing.choose(prompt, {"a": 0, "b": 0}, {"a": 1, "b": 2}, now=30.0)[0] == "b"
+    # Cached somewhere, the index decides, not the memory.
+    assert routing.choose(prompt, {"a": 4, "b": 0}, {"a": 1, "b": 1}, now=40.0)[0] == "a"

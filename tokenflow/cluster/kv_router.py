@@ -22,8 +22,11 @@ blocks held swing by a whole prompt within a step): Serve's count of ongoing req
 requests go through Serve's router, else (HAProxy sends them) the replica's last report,
 once a second, plus what this router sent it since. The cached prefix is the index's, extended by
 what this router itself sent the replica in the last seconds and no event has confirmed yet.
-The cheapest replica is tried first (on a tie, the one with the longer cached prefix), the
-rest follow by cost.
+A prefix cached nowhere (its replica evicted it, and no other holds it) counts as cached
+whole on the replica this router last sent it to: it goes back there while the load allows,
+instead of to whichever replica looks idlest, where it would push out that replica's own
+prefixes (which would then move in turn). The cheapest replica is tried first (on a tie, the
+one with the longer cached prefix), the rest follow by cost.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import queue
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +55,7 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _REPLAY_TIMEOUT_MS = 5000
 _POLL_MS = 100
 _CATCH_UP_POLLS, _CATCH_UP_POLL_S = 40, 0.025  # at most 1 s
+_MAX_HOMES = 65536  # prompts' first blocks whose last replica a router remembers
 
 
 class KVBlockIndex:
@@ -273,6 +278,8 @@ class KVRouting:
         self._routed: dict[Hashable, tuple[Any, int]] = {}
         self._next_prune = 0.0
         self._rng = random.Random(seed)
+        # A prompt's first block hash -> the replica this router last sent it to (bounded).
+        self._homes: OrderedDict[int, Hashable] = OrderedDict()
 
     def cached_prefix(self, hashes: Sequence[int], indexed: dict[Hashable, int],
                       now: float) -> dict[Hashable, int]:
@@ -316,9 +323,21 @@ class KVRouting:
         what its index already shows, and counted as routed one more request since its last
         report (`reports`: each candidate's report id)."""
         cached = self.cached_prefix(hashes, indexed, now)
+        home = self._homes.get(hashes[0]) if hashes else None
+        if home in cached and not any(cached.values()):
+            # Cached nowhere (evicted everywhere, or its prediction expired): the prefix goes
+            # back where it went last, as if cached there, while the load allows. It is that
+            # replica's share of the prefixes; sent to another it would push out that one's
+            # own, which then move in turn.
+            cached[home] = len(hashes)
         costs = self.costs(len(hashes), cached, loads)
         order = sorted(costs, key=lambda r: (costs[r], -cached[r], self._rng.random()))
         chosen = order[0]
+        if hashes:
+            self._homes[hashes[0]] = chosen
+            self._homes.move_to_end(hashes[0])
+            if len(self._homes) > _MAX_HOMES:
+                self._homes.popitem(last=False)
         self._sent.setdefault(chosen, {}).update(
             dict.fromkeys(hashes[indexed[chosen]:], now + self.prediction_ttl_s))
         report = (reports or {}).get(chosen)
