@@ -135,8 +135,11 @@ def test_watchdog_tears_down_after_the_owner_is_killed() -> None:
         owner.send_signal(signal.SIGKILL)  # no finally, no __exit__: only the watchdog is left
         owner.wait()
     procs = {int(pid): t for pid, t in started["procs"].items()}
+    # The watchdog removes the namespaces, then the run directory: wait for both (on a busy
+    # machine the directory went a moment after the namespaces).
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and any(network.netns_inode(n) for n in started["names"]):
+    while time.monotonic() < deadline and (any(network.netns_inode(n) for n in started["names"])
+                                           or Path(started["run_dir"]).exists()):
         time.sleep(0.5)
     # The node init process, orphaned by the kill, stays a zombie until pid 1 reaps it; it went
     # last, so it left no other zombie behind.
