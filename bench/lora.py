@@ -93,31 +93,26 @@ def run_row(args: argparse.Namespace, adapters: list[str], max_loras: int, workd
 
 
 def breakdown(args: argparse.Namespace, adapters: list[str], workdir: Path) -> dict[str, float]:
-    """Seconds inside the LoRA delta (the masked shrink and expand) over a run of the `4` row."""
-    import torch
+    """Seconds inside the LoRA delta (shrink and expand, masked or per slot) over a run of the
+    `4` row."""
 
     from tokenflow.replica.models import lora as lora_module
 
     spent = [0.0]
 
-    def timed(self, x):
-        y = self.base(x)
-        n = self.step.num_slots
-        if not n or not self.loaded:
-            return y
-        t0 = time.perf_counter()
-        cols = n * self.width
-        xa = torch.mm(x, self.lora_a[:cols].T) * self.step.masks[self.width]
-        y = torch.addmm(y, xa, self.lora_bt[:cols])
-        spent[0] += time.perf_counter() - t0
+    add_delta = lora_module.LoRALinear.add_delta
+
+    def timed(self, x, y):
+        start = time.perf_counter()
+        y = add_delta(self, x, y)
+        spent[0] += time.perf_counter() - start
         return y
 
-    original = lora_module.LoRALinear.forward
-    lora_module.LoRALinear.forward = timed
+    lora_module.LoRALinear.add_delta = timed
     try:
         row = run_row(argparse.Namespace(**{**vars(args), "repeat": 1}), adapters, 4, workdir)
     finally:
-        lora_module.LoRALinear.forward = original
+        lora_module.LoRALinear.add_delta = add_delta
     return {"run_s": row["seconds"], "lora_delta_s": spent[0],
             "share": spent[0] / row["seconds"]}
 

@@ -95,7 +95,10 @@ class LoRALinear(nn.Module):
         self.loaded: set[int] = set()  # slots with weights for this projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_delta(x, self.base(x))
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base layer's output for `x`) plus each token's adapter delta."""
         n = self.step.num_slots
         if not n or not self.loaded:
             return y
