@@ -172,3 +172,18 @@ def test_a_prefix_cached_nowhere_goes_back_where_it_went_while_the_load_allows()
     assert routing.choose(prompt, {"a": 0, "b": 0}, {"a": 1, "b": 2}, now=30.0)[0] == "b"
     # Cached somewhere, the index decides, not the memory.
     assert routing.choose(prompt, {"a": 4, "b": 0}, {"a": 1, "b": 1}, now=40.0)[0] == "a"
+
+
+def test_a_feed_that_follows_nobody_waits_instead_of_spinning() -> None:
+    """Serve's proxy has a router of its own that follows no replica: its feed's thread must
+    sleep (it once spun a core: pyzmq returns at once from a poll of no sockets)."""
+    import psutil
+
+    feed = KVEventFeed()
+    try:
+        me = psutil.Process()
+        before = sum(me.cpu_times()[:2])
+        time.sleep(1.0)
+        assert sum(me.cpu_times()[:2]) - before < 0.3  # a spinning thread takes ~1 s of it
+    finally:
+        feed.shutdown()

@@ -187,9 +187,16 @@ class KVEventFeed:
         while not self._stop:
             while not self._commands.empty():
                 self._apply_command(poller, *self._commands.get())
+            if not self._subs:
+                # pyzmq returns at once from a poll of no sockets: wait on the commands
+                # instead (a feed that follows nobody, as Serve's proxy's router, spun a core).
+                with contextlib.suppress(queue.Empty):
+                    self._apply_command(poller, *self._commands.get(timeout=_POLL_MS / 1000))
+                continue
             try:
                 ready = dict(poller.poll(_POLL_MS))
             except zmq.ZMQError:  # a socket closed under the poll
+                time.sleep(_POLL_MS / 1000)
                 continue
             for replica, subscription in list(self._subs.items()):
                 if subscription.sub in ready:
