@@ -43,6 +43,16 @@ def test_presets_validate(name: str, model: str) -> None:
     assert config.host == "127.0.0.1"
 
 
+def test_the_kv_routed_preset_routes_by_kv_events_over_an_offload_tier() -> None:
+    from tokenflow.cluster.app import app_config_from_args, engine_for
+
+    config = app_config_from_args({"config": str(CONFIGS / "kv-routed.yaml")})
+    assert config.deployment.request_router == "kv_aware" and config.deployment.num_replicas == 2
+    assert config.engine.kv_offload is not None and config.engine.kv_offload.backend == "cpu"
+    engine = engine_for(config.engine, config.deployment)
+    assert engine.kv_events is not None and engine.kv_events.enabled  # what the router reads
+
+
 def test_local_preset_is_one_replica_and_autoscale_is_a_range() -> None:
     from tokenflow.cluster.app import app_config_from_args, server_options
 
