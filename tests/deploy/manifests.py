@@ -24,7 +24,7 @@ from jsonschema import Draft7Validator
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "tokenflow"
 CRDS = ROOT.parent / "shared" / "crds"
-PRESETS = ("default", "gpu", "pp2", "pd", "autoscale")
+PRESETS = ("default", "gpu", "pp2", "pd", "autoscale", "kv-routed")
 RELEASE, NAMESPACE = "tf", "llm"
 
 
