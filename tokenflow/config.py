@@ -503,6 +503,13 @@ class AppConfig(_Frozen):
     port: int = Field(default=8000, ge=1, le=65535)
     route_prefix: str = "/"
 
+    @property
+    def router_reads_body(self) -> bool:
+        """Whether the request router wants the request's body from HAProxy: to route on the
+        prompt (required), or on the LoRA adapter it names (without the body, adapter
+        requests are balanced on load alone)."""
+        return self.deployment.router_reads_prompt or self.engine.lora.max_loras > 0
+
     @model_validator(mode="after")
     def _router_fits_the_mode(self) -> AppConfig:
         if (self.deployment.request_router == "least_connections"

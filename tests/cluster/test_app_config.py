@@ -53,6 +53,23 @@ def test_the_kv_routed_preset_routes_by_kv_events_over_an_offload_tier() -> None
     assert engine.kv_events is not None and engine.kv_events.enabled  # what the router reads
 
 
+@pytest.mark.parametrize("data, reads", [
+    ({}, False),
+    ({"deployment": {"request_router": "prefix_aware"}}, True),
+    ({"deployment": {"request_router": "kv_aware"}}, True),
+    ({"engine": {"lora": {"max_loras": 2}}}, True),  # the adapter the body names
+    ({"deployment": {"request_router": "least_connections"}}, False),
+])
+def test_the_router_reads_the_body_to_route_on_the_prompt_or_the_adapter(
+        data: dict[str, Any], reads: bool) -> None:
+    """`tokenflow serve` asks HAProxy to forward request bodies to the ingress request
+    router (ops/launcher.py) exactly when it routes on what they say."""
+    config = AppConfig.model_validate(data)
+    assert config.router_reads_body is reads
+    assert config.deployment.router_reads_prompt is (reads and "lora" not in data.get(
+        "engine", {}))
+
+
 def test_local_preset_is_one_replica_and_autoscale_is_a_range() -> None:
     from tokenflow.cluster.app import app_config_from_args, server_options
 

@@ -227,7 +227,8 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
     the prefix-aware one does): unrelated requests spread over both (by load), and requests
     that share a long prefix all go where it is cached, also while one router's process is
     dead (HAProxy asks the other: nothing is refused) and after Serve has replaced it (the
-    new one learns from the replicas' KV-event replay). Each replica's engine
+    new one learns from the replicas' KV-event replay). Requests for a LoRA adapter go to
+    the replica that holds it. Each replica's engine
     runs in a child process of the replica (`engine_loop: auto`, the default), and the API is
     the same, token-exact, also for each of three LoRA adapters the config names (as the
     offline engine with them gives). `/pause` and `/resume` reach both replicas, and SIGTERM
@@ -252,6 +253,13 @@ def test_default_mode_with_two_replicas(offline: LLM, tmp_path: Path) -> None:
         # The Serve request router sent requests to both replicas (once HAProxy has both).
         _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
+        # Requests for an adapter go to the replica that holds it (each adapter has been
+        # served once, on one replica, by _check_adapters), though load alone (and the
+        # KV-aware cost: these prompts are cached nowhere under these adapters) would spread
+        # them as the base model's above.
+        held = {name: _busy_replicas(url, 6, model=name) for name in ("tiny-1", "tiny-2")}
+        assert all(len(replicas) == 1 for replicas in held.values()), held
+        assert _busy_replicas(url, 6, model="tiny-1") == held["tiny-1"]
 
         # One system prompt of several blocks, then each user's own question. Power of two
         # choices would put each request on the replica without the prefix half the time.
@@ -370,6 +378,13 @@ def test_haproxy_balances_by_itself_with_least_connections(offline: LLM,
         # it has reloaded its config and its health checks passed.
         _wait_for_haproxy_servers_up(server, 2)
         assert len(_busy_replicas(url)) == 2
+        # Requests for an adapter go to the replica that holds it (each adapter has been
+        # served once, on one replica, by _check_adapters), though load alone (and the
+        # KV-aware cost: these prompts are cached nowhere under these adapters) would spread
+        # them as the base model's above.
+        held = {name: _busy_replicas(url, 6, model=name) for name in ("tiny-1", "tiny-2")}
+        assert all(len(replicas) == 1 for replicas in held.values()), held
+        assert _busy_replicas(url, 6, model="tiny-1") == held["tiny-1"]
     finally:
         server.stop()
 
@@ -406,15 +421,16 @@ def _haproxy_stat(sock: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(lines)) if lines else []
 
 
-def _busy_replicas(url: str, num: int = 16) -> set[str]:
-    """Send `num` requests at once; the replicas they went to (every request must succeed).
+def _busy_replicas(url: str, num: int = 16, model: str = MODEL) -> set[str]:
+    """Send `num` requests for `model` at once; the replicas they went to (every request must
+    succeed).
     The replicas are paused meanwhile, so that they hold every request until all have
     arrived: running, the test model finishes a replica's share in a fraction of a second,
     sooner than a loaded machine lets this process look (seen: 1 == 2)."""
     auth = {"Authorization": f"Bearer {API_KEY}"}
 
     def long_request(i: int) -> int:
-        body = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 120,
+        body = {"model": model, "prompt": f"request {i}", "max_tokens": 120,
                 "ignore_eos": True}
         return httpx.post(f"{url}/v1/completions", json=body, headers=auth,
                           timeout=300).status_code

@@ -188,12 +188,17 @@ def test_ingress_routers_per_node_reach_every_pod() -> None:
     assert "ingressRoutersPerNode" in _install_error({"ingressRoutersPerNode": 0})
 
 
-@pytest.mark.parametrize("router", ["prefix_aware", "kv_aware"])
+@pytest.mark.parametrize("app", [
+    {"deployment": {"request_router": "prefix_aware"}},
+    {"deployment": {"request_router": "kv_aware"}},
+    # power of two, but requests for LoRA adapters go where the adapter is held
+    {"engine": {"lora": {"max_loras": 2}}},
+], ids=["prefix_aware", "kv_aware", "lora"])
 @pytest.mark.parametrize("mode", list(ServingMode))
-def test_a_router_that_reads_the_prompt_gets_the_request_body_from_haproxy(
-        mode: ServingMode, router: str) -> None:
-    values = {"tokenflow": {"serving_mode": mode.value,
-                            "deployment": {"request_router": router}}}
+def test_a_router_that_reads_the_request_gets_its_body_from_haproxy(
+        mode: ServingMode, app: dict[str, Any]) -> None:
+    values = {"tokenflow": {"serving_mode": mode.value, **app}}
+    assert AppConfig.model_validate(values["tokenflow"]).router_reads_body
     expected = {**_serving_env(mode), **body_forwarding(mode, True)}
     assert (FORWARD_BODY in expected) == (mode is ServingMode.HAPROXY)
     for template in _pod_templates(_service(render(values))):

@@ -143,7 +143,7 @@ def bind_app(config: AppConfig) -> serve.Application:
         router = serve.deployment(ReplicaRouter, name="ReplicaRouter", **ROUTER_OPTIONS)
         # Serve's direct-streaming hook (Ray 2.60, internal): HAProxy asks the router for
         # each request's replica and sends the request straight to that replica's port.
-        app = app._with_ingress_request_router(router.bind(app))
+        app = app._with_ingress_request_router(router.bind(app, model.name))
     return app
 
 

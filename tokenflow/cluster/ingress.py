@@ -80,9 +80,13 @@ class _HandleBackend:
                  kv_transfer_params: dict[str, Any] | None = None) -> ResumingStream:
         """The request's stream; should its replica die mid-stream, it goes on on another
         (`cluster.resume`), unless it carries KV-transfer parameters (a P/D leg)."""
+        # A request for a LoRA adapter goes to a replica that holds it (adapter_routing).
+        streaming = (self._streaming.options(multiplexed_model_id=params.lora) if params.lora
+                     else self._streaming)
+
         def open_stream(prompts: list[list[int]], params: SamplingParams, request_id: str,
                         transfer: dict[str, Any] | None) -> _HandleStream:
-            return _HandleStream(self._streaming.generate.remote(
+            return _HandleStream(streaming.generate.remote(
                 prompts, params, request_id, priority, received_time,
                 transfer or kv_transfer_params))
 

@@ -44,8 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    MultiplexMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
+from tokenflow.cluster.adapter_routing import adapter_candidates
 from tokenflow.cluster.prefix_router import PromptBlocks
 from tokenflow.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder
 
@@ -365,7 +372,7 @@ class KVRouting:
         self._routed.pop(replica, None)
 
 
-class KVAwareRouter(FIFOMixin, RequestRouter):
+class KVAwareRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     """A Serve request router that sends each request where its prefix is cached, by the
     replicas' own KV-cache events, weighed against their load (see the module docstring)."""
 
@@ -383,6 +390,8 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self._follow(candidate_replicas)
+        # A request for a LoRA adapter: among the replicas that hold it first.
+        candidate_replicas = adapter_candidates(self, candidate_replicas, pending_request)
         # A replica just followed (this router started, or it did): wait briefly for its
         # replay, so the first requests already go where their prefixes are.
         for _ in range(_CATCH_UP_POLLS):

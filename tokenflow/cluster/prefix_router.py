@@ -28,8 +28,15 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    MultiplexMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
+from tokenflow.cluster.adapter_routing import adapter_candidates
 from tokenflow.kv.hashing import extend_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -187,7 +194,7 @@ def ongoing_requests(queue_len_cache: Any, replica: RunningReplica) -> int:
     return int((replica.routing_stats or {}).get("requests", 0))
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
+class PrefixAwareRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     """A Serve request router that keeps requests with a common prompt prefix on the replica
     that already caches it (see the module docstring); the decision is `PrefixAffinity`'s."""
 
@@ -207,6 +214,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self._forget_gone(candidate_replicas)
+        # A request for a LoRA adapter: among the replicas that hold it first.
+        candidate_replicas = adapter_candidates(self, candidate_replicas, pending_request)
         loads = {r.replica_id: ongoing_requests(self.replica_queue_len_cache, r)
                  for r in candidate_replicas}
         hashes = (self._blocks.hashes(pending_request.args, pending_request.kwargs)

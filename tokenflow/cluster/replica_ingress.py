@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from tokenflow.cluster.adapter_routing import adapter_of
 from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.ingress import broadcast
 from tokenflow.cluster.openai_serving import LocalBackend, OpenAIServing, build_openai_app
@@ -87,9 +88,12 @@ class ReplicaRouter:
     """Owns the choice of LLMServer replica for HAProxy (`POST /internal/route`): asks the
     deployment's Serve request router and answers with that replica's HTTP endpoint."""
 
-    def __init__(self, server: DeploymentHandle) -> None:
+    def __init__(self, server: DeploymentHandle, base_model: str = "") -> None:
+        """`base_model`: the base model's served name; any other `model` a request body
+        names is a LoRA adapter, routed to a replica that holds it (`adapter_routing`)."""
         self._server = server
         self._server._init()  # the router must be running before the first route call
+        self._base_model = base_model
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="tokenflow ingress request router")
@@ -107,14 +111,17 @@ class ReplicaRouter:
     async def route(self, body: bytes) -> dict[str, Any]:
         """The replica for one request. HAProxy sends the client's body only with
         RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1; then the request router sees the
-        parsed request as its argument (a prefix-aware router needs the prompt), else it
-        balances on load alone."""
+        parsed request as its argument (a prefix-aware router needs the prompt; a request
+        for a LoRA adapter goes where the adapter is held), else it balances on load alone."""
         args = _routing_args(body)
+        server = self._server
+        if args and (adapter := adapter_of(args[0], self._base_model)):
+            server = server.options(multiplexed_model_id=adapter)
         # _reserve=False: the request itself goes through HAProxy, not this handle, so no
         # slot is reserved on the replica (the replica's own queue bound applies there).
         # `selection._replica` (Serve's, internal): the only place the replica's HTTP port is.
         try:
-            async with self._server.choose_replica(*args, _reserve=False) as selection:
+            async with server.choose_replica(*args, _reserve=False) as selection:
                 replica = selection._replica
                 endpoint = replica.backend_http_endpoint
                 if endpoint is None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenflow.cluster.adapter_routing import HeldAdapters
 from tokenflow.cluster.autoscaling import RecentTTFT, replica_stats
 from tokenflow.cluster.messages import (
     Accepted,
@@ -94,6 +95,8 @@ class LLMServer:
                               else config.scheduler.max_num_seqs + max_queued_requests)
         self._num_requests = 0  # requests this replica holds now (accepted, not yet ended)
         self._dynamic_lora_path = config.lora.dynamic_lora_path
+        # The adapters this replica keeps warm, advertised to the request routers.
+        self._held_adapters = HeldAdapters(config.lora.max_cpu_loras or config.lora.max_loras)
         self._prefill = PrefillClient(prefill) if prefill is not None else None
         # After the first token, a stream sends at most one batch of deltas per interval:
         # every item costs a Ray message and an HTTP chunk, which on a small machine take the
@@ -139,6 +142,7 @@ class LLMServer:
             yield Rejected(f"this replica is at its limit of {self._max_requests} requests "
                            "(running and queued); retry later", None, 503, OVERLOADED_RETRY_S)
             return
+        await self._held_adapters.note(params.lora)
         disaggregated = self._prefill is not None and PrefillClient.wants(
             prompts, params, kv_transfer_params)
         if disaggregated:

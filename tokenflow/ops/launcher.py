@@ -273,8 +273,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if not joining:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
-        cluster = _start_ray(observe, config.serving_mode,
-                             config.deployment.router_reads_prompt)
+        cluster = _start_ray(observe, config.serving_mode, config.router_reads_body)
         _refuse_to_replace(cluster is not None)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")
