@@ -232,29 +232,39 @@ async def test_async_engine_in_its_own_process(setup):
 
 
 @pytest.mark.parametrize("order", ["grouped", "interleaved"])
-def test_segmented_and_masked_deltas_agree(order):
+def test_segmented_and_grouped_deltas_agree(order):
     """The two forms of a step's delta (`models/lora.py`): per-slot token runs (a large step)
-    and the mask (a small one) give the same rows, whether the requests come grouped by
-    adapter (as the runner orders them) or interleaved (a run per request)."""
-    from tokenflow.replica.models.lora import GROUPED_MIN_TOKENS, LoRALinear, LoRAStep
+    and padded per-slot groups (a small one) give the same rows, and the right ones: each
+    token's own adapter's delta (a plain loop over tokens), whether the requests come grouped
+    by adapter (as the runner orders them) or interleaved (a run per request)."""
+    from tokenflow.replica.models.lora import LoRALinear, LoRAStep
 
     torch.manual_seed(0)
     step = LoRAStep(max_rank=4, dtype=torch.float32)
     base = torch.nn.Linear(16, 12, bias=False)
     lora = LoRALinear(base, (8, 4), 16, num_slots=3, step=step, device=torch.device("cpu"))
+    weights = [[(torch.randn(4, 16), torch.randn(8, 4)),
+                (torch.randn(2, 16), torch.randn(4, 2)) if slot else None] for slot in range(3)]
     for slot in range(3):
-        lora.set_slot(slot, [(torch.randn(4, 16), torch.randn(8, 4)),
-                             (torch.randn(2, 16), torch.randn(4, 2)) if slot else None], 0.5)
+        lora.set_slot(slot, weights[slot], 0.5)
     slots = [-1, 0, 0, 2, 1, 1, -1, 2] if order == "grouped" else [0, 2, -1, 1, 0, 2, 1, -1]
     request_slots = np.array(sorted(slots) if order == "grouped" else slots)
-    query_lens = np.full(len(request_slots), GROUPED_MIN_TOKENS // 4)
+    query_lens = np.array([1, 3, 2, 1, 4, 1, 2, 3])
     x = torch.randn(int(query_lens.sum()), 16)
-    step.set(request_slots, query_lens, {lora.width}, torch.device("cpu"))
-    assert step.segments and not step.masks
+    cpu = torch.device("cpu")
+    step.set(request_slots, query_lens, cpu, segment_min_tokens=1)
+    assert step.segments and step.rows is None
     segmented = lora(x)
-    step.segments = []  # the same tokens through the mask
-    token_slots = torch.from_numpy(np.repeat(request_slots, query_lens))
-    onehot = (token_slots[:, None] == torch.arange(step.num_slots)).float()
-    step.masks = {lora.width: onehot.repeat_interleave(lora.width, dim=1)}
-    torch.testing.assert_close(segmented, lora(x))
-    assert not torch.equal(segmented, base(x))
+    step.set(request_slots, query_lens, cpu)
+    assert not step.segments and step.rows is not None
+    grouped = lora(x)
+    expected = base(x)
+    for token, slot in enumerate(np.repeat(request_slots, query_lens)):
+        parts = weights[slot] if slot >= 0 else [None, None]
+        for part, (first, end) in zip(parts, ((0, 8), (8, 12)), strict=True):
+            if part is not None:
+                a, b = part
+                expected[token, first:end] += 0.5 * (x[token] @ a.T) @ b.T
+    torch.testing.assert_close(segmented, expected)
+    torch.testing.assert_close(grouped, expected)
+    assert not torch.equal(grouped, base(x))

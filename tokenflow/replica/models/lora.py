@@ -8,23 +8,21 @@ does not adapt) and the matching block-diagonal B, scaling folded in:
     lora_a  [S * P * R, in]     slot s, part p, rank row j at row (s * P + p) * R + j
     lora_bt [S * P * R, out]    B^T of the same rows, its part's output columns only
 
-A step computes, for all its T tokens at once,
+A step computes each token's delta with its own slot's weights only (punica's idea, in two
+forms). A small step (decode: one token a request) gathers its adapter tokens into one padded
+group per slot, `[n, L, in]` (n: slots up to the highest in use, L: the most tokens one slot
+has), and runs two batched matmuls, shrink `[n, L, in] @ [n, in, P * R]` and expand
+`[n, L, P * R] @ [n, P * R, out]`, adding the rows back with `index_add_` (padding rows are
+zeroed between the two). A large step (a prefill chunk) takes each slot's tokens through its
+own slot's A and B as two matmuls on views: the runner orders a step's requests by adapter, so
+a slot's tokens are one contiguous run (no gather, no scatter). `SEGMENT_MIN_TOKENS` decides
+which form a step takes. The group indices are built once a step (`LoRAStep.set`), not per
+layer; base-model tokens take no part, and a step with no adapter token skips it all. The base
+layer may be a `QuantizedLinear`: the delta is float, added on top.
 
-    y = base(x) + ((x @ lora_a^T) * mask) @ lora_bt       mask [T, S * P * R]: 1 where the
-                                                          token's slot owns the column
-i.e. two matmuls and a multiply (punica's shrink and expand, with a mask in place of a
-gather: on a decode step the work is bound by reading weights, and every slot in use is read
-once either way). Base-model tokens have an all-zero mask row; a step with no adapter token
-skips it all. The mask is built once a step (`LoRAStep.set`), not per layer. Only the slots
-up to the highest one in use take part (slots are filled lowest first). The base layer may be
-a `QuantizedLinear`: the delta is float, added on top.
-
-A step of many tokens (a prefill chunk) is bound by arithmetic instead, and there the mask
-makes every token multiply by every slot's columns: such a step takes each slot's tokens
-through that slot's own A and B and adds the result to their rows (punica's segmented form).
-The runner orders a step's requests by adapter, so a slot's tokens are one contiguous run and
-its delta is two matmuls on views: no gather, no scatter. `GROUPED_MIN_TOKENS` decides which
-form a step takes.
+(An earlier form multiplied every token by every slot in use under a one-hot mask: two plain
+matmuls, but n times the work a token needs, and on a 32-token decode step of 4 adapters
+~466M multiply-adds where the tokens' own adapters need ~78M: bench/README, "Multi-LoRA".)
 """
 
 from __future__ import annotations
@@ -33,35 +31,36 @@ import numpy as np
 import torch
 from torch import nn
 
-# From this many tokens in a step, each slot's tokens go through their own slot's weights
-# (bench/lora.py: on prefill chunks the masked form spent most of its time on other slots'
-# columns; on decode steps of a few dozen tokens the two extra ops per slot cost more).
-GROUPED_MIN_TOKENS = 64
+# From this many tokens in a step, each slot's contiguous run of tokens goes through its own
+# slot's weights as plain matmuls (no gather); fewer tokens (decode steps) go through the
+# padded groups, whose five ops cost less than two per slot there.
+SEGMENT_MIN_TOKENS = 64
 # Our fused projections and their PEFT parts, in the order of their output rows.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class LoRAStep:
-    """Owns the step's per-token slot assignment, shared by a stage's `LoRALinear`s: for
-    each width P * R, a [T, n * P * R] mask (n: slots up to the highest in use), or for a
+    """Owns the step's per-token slot assignment, shared by a stage's `LoRALinear`s: for a
+    small step the padded per-slot groups of its adapter tokens (`rows`, `valid`), for a
     large step the contiguous token runs of each slot (`segments`); neither when no token of
     the step uses an adapter."""
 
     def __init__(self, max_rank: int, dtype: torch.dtype) -> None:
         self.max_rank, self.dtype = max_rank, dtype
         self.num_slots = 0
-        self.masks: dict[int, torch.Tensor] = {}
+        self.rows: torch.Tensor | None = None  # [n * L] the token of each group row
+        self.valid: torch.Tensor | None = None  # [n, L, 1] 1 for a token, 0 for padding
         self.segments: list[tuple[int, int, int]] = []  # (slot, first token, end)
 
-    def set(self, request_slots: np.ndarray, query_lens: np.ndarray, widths: set[int],
-            device: torch.device) -> None:
+    def set(self, request_slots: np.ndarray, query_lens: np.ndarray, device: torch.device,
+            segment_min_tokens: int = SEGMENT_MIN_TOKENS) -> None:
         """Each request's slot (-1: the base model) and token count, in the step's order."""
-        self.segments, self.masks, self.num_slots = [], {}, 0
+        self.segments, self.rows, self.valid, self.num_slots = [], None, None, 0
         if not len(request_slots) or request_slots.max() < 0:
             return
-        self.num_slots = int(request_slots.max()) + 1
-        if query_lens.sum() >= GROUPED_MIN_TOKENS:
+        self.num_slots = n = int(request_slots.max()) + 1
+        if query_lens.sum() >= segment_min_tokens:
             # Runs of requests with the same slot (the runner puts an adapter's requests
             # together, so there is about one run per slot), as token ranges.
             bounds = np.concatenate([[0], np.cumsum(query_lens)])
@@ -71,15 +70,25 @@ class LoRAStep:
                              for f, e in zip(firsts, lasts, strict=True)
                              if request_slots[f] >= 0 and bounds[e] > bounds[f]]
             return
-        token_slots = torch.from_numpy(np.repeat(request_slots, query_lens)).to(device)
-        slots = torch.arange(self.num_slots, device=device)
-        onehot = (token_slots[:, None] == slots).to(self.dtype)  # [T, n]
-        self.masks = {w: onehot.repeat_interleave(w, dim=1) for w in widths}
+        token_slots = np.repeat(request_slots, query_lens)
+        tokens = np.flatnonzero(token_slots >= 0)
+        slots = token_slots[tokens]
+        order = np.argsort(slots, kind="stable")
+        tokens, slots = tokens[order], slots[order]
+        counts = np.bincount(slots, minlength=n)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        place = np.arange(len(slots)) - starts[slots]  # each token's row in its slot's group
+        rows = np.zeros((n, int(counts.max())), np.int64)  # padding: token 0, zeroed later
+        valid = np.zeros(rows.shape, np.float32)
+        rows[slots, place], valid[slots, place] = tokens, 1.0
+        self.rows = torch.from_numpy(rows.reshape(-1)).to(device)
+        self.valid = torch.from_numpy(valid).to(device=device, dtype=self.dtype)[:, :, None]
 
 
 class LoRALinear(nn.Module):
     """Owns one (fused) projection's base layer and its adapters' slot weights
-    (`lora_a`, `lora_bt`, see the module docstring); reads the step's masks from `step`."""
+    (`lora_a`, `lora_bt`, see the module docstring); reads the step's token groups from
+    `step`."""
 
     def __init__(self, base: nn.Module, part_sizes: tuple[int, ...], in_features: int,
                  num_slots: int, step: LoRAStep, device: torch.device) -> None:
@@ -102,17 +111,20 @@ class LoRALinear(nn.Module):
         n = self.step.num_slots
         if not n or not self.loaded:
             return y
+        width = self.width
         if self.step.segments:
-            width = self.width
             for slot, first, end in self.step.segments:
                 if slot in self.loaded:
                     rows = slice(slot * width, (slot + 1) * width)
                     y[first:end].addmm_(torch.mm(x[first:end], self.lora_a[rows].T),
                                         self.lora_bt[rows])
             return y
-        cols = n * self.width
-        xa = torch.mm(x, self.lora_a[:cols].T) * self.step.masks[self.width]  # [T, cols]
-        return torch.addmm(y, xa, self.lora_bt[:cols])
+        rows, valid = self.step.rows, self.step.valid
+        a = self.lora_a[:n * width].view(n, width, -1)  # [n, P * R, in]
+        bt = self.lora_bt[:n * width].view(n, width, -1)  # [n, P * R, out]
+        group = x.index_select(0, rows).view(n, valid.shape[1], -1)  # [n, L, in]
+        shrunk = torch.bmm(group, a.transpose(1, 2)).mul_(valid)  # [n, L, P * R]
+        return y.index_add_(0, rows, torch.bmm(shrunk, bt).view(len(rows), -1))
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
                  scaling: float) -> None:

@@ -22,7 +22,7 @@ class StageLoRA:
     memory (an adapter evicted from it is read from disk again when next loaded).
 
     The scheduler decides the slots (`SchedulerOutput.lora_loads`); this stage writes them
-    (`load`) and, each step, turns its requests' adapters into per-token masks (`begin_step`).
+    (`load`) and, each step, turns its requests' adapters into token groups (`begin_step`).
     """
 
     def __init__(self, model: CausalLM, config: LoRAConfig, device: torch.device,
@@ -32,7 +32,6 @@ class StageLoRA:
         self.config = config
         self.step = LoRAStep(config.max_lora_rank, dtype)
         self.layers = wrap_lora(model, config.max_loras, self.step, device)
-        self._widths = {lora.width for lora in self.layers.values()}
         self.slot_of: dict[LoRAAdapter, int] = {}
         self._cpu: OrderedDict[LoRAAdapter, tuple[LoRASpec, AdapterWeights]] = OrderedDict()
 
@@ -59,9 +58,9 @@ class StageLoRA:
 
     def begin_step(self, adapters: list[LoRAAdapter | None], query_lens: np.ndarray,
                    device: torch.device) -> None:
-        """The step's masks or segments from each request's adapter and token count, in the
-        step's request order."""
+        """The step's token groups or segments from each request's adapter and token count,
+        in the step's request order."""
         slot_of = self.slot_of
         slots = np.fromiter((-1 if a is None else slot_of[a] for a in adapters), np.int64,
                             len(adapters))
-        self.step.set(slots, query_lens, self._widths, device)
+        self.step.set(slots, query_lens, device)
