@@ -169,6 +169,10 @@ class KVConnectorScheduler(ABC):
 class KVConnectorWorker(ABC):
     """The worker half, in every stage: moves this stage's layers' blocks."""
 
+    # Whether `start_load_kv` copies out blocks the step evicts (before the forward, or a
+    # transfer's loads, may write over them): such a part starts first in a composite.
+    stores_evicted_blocks = False
+
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[Any], layer_range: tuple[int, int]) -> None:
         """The stage's cache tensors, `[2, num_blocks, block_size, kv_heads, head_dim]` each,

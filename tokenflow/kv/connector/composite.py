@@ -107,7 +107,13 @@ class CompositeWorker(KVConnectorWorker):
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         assert isinstance(meta, CompositeMeta)
-        for part, part_meta in zip(self.parts, meta.parts, strict=True):
+        pairs = list(zip(self.parts, meta.parts, strict=True))
+        # A part that copies out the blocks this step evicts (the offload tier) goes first: a
+        # transfer's loads start writing at once, on a thread of their own, into blocks newly
+        # given to their request, which may be those very blocks (the tier then kept the
+        # loaded KV under the evicted block's hash, and served it later as that block).
+        pairs.sort(key=lambda pair: not pair[0].stores_evicted_blocks)
+        for part, part_meta in pairs:
             part.start_load_kv(part_meta)
 
     def wait_for_layer_load(self, layer: int) -> None:

@@ -117,6 +117,8 @@ class DiskTier:
 class OffloadWorker(KVConnectorWorker):
     """Owns one stage's tier store and the I/O thread that writes and reads it."""
 
+    stores_evicted_blocks = True
+
     def __init__(self, backend: str, size_bytes: int, path: str | None = None) -> None:
         self.backend = backend
         self.size_bytes = size_bytes
