@@ -33,7 +33,8 @@ from torch import nn
 
 # From this many tokens in a step, each slot's contiguous run of tokens goes through its own
 # slot's weights as plain matmuls (no gather); fewer tokens (decode steps) go through the
-# padded groups, whose five ops cost less than two per slot there.
+# padded groups, a fixed five ops whatever the number of slots. (The threshold was measured
+# against the earlier mask form, bench/README "Multi-LoRA"; not yet again for the groups.)
 SEGMENT_MIN_TOKENS = 64
 # Our fused projections and their PEFT parts, in the order of their output rows.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
