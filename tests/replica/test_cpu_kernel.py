@@ -53,10 +53,13 @@ def kernel() -> cpu_kernel.PagedDecodeKernel:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("shape", ["decodes", "mixed"])
+@pytest.mark.parametrize("shape", ["decodes", "many decodes", "mixed"])
 def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, shape) -> None:
-    if shape == "decodes":
+    if shape == "decodes":  # few: a task per request and KV head
         seq_lens, query_lens = [1, 17, 100, 33, 64, 120], [1] * 6
+    elif shape == "many decodes":  # a task per request, all its KV heads
+        seq_lens = [1, 17, 100, 33, 64, 120, 31, 32, 33, 127, 5, 80]
+        query_lens = [1] * len(seq_lens)
     else:  # a prompt first, a chunk after a prefix, decodes between
         seq_lens, query_lens = [40, 5, 90, 70, 2], [40, 1, 1, 30, 1]
     cache, q, k, v, meta = _step(seq_lens, query_lens, heads, kv_heads, dim, window, seed=1)
