@@ -157,6 +157,7 @@ int paged_decode_f32(const float *new_k, int64_t k_tok, int64_t k_head, const fl
         const int64_t seq = seq_lens[r];
         const int64_t first = (window > 0 && seq > window) ? seq - window : 0;
         const int32_t *blocks = table + r * table_stride;
+        const int64_t span = kv_per_task * head_dim; /* floats of a row this task reads */
         const float *qr = q + token_idx[r] * q_tok + g0 * group * q_head;
         float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
         float top[MAX_HEADS], total[MAX_HEADS], p[TILE];
@@ -175,6 +176,18 @@ int paged_decode_f32(const float *new_k, int64_t k_tok, int64_t k_head, const fl
                                     + pos % block_size) * row + g0 * head_dim;
                 krow[i] = k + at;
                 vrow[i] = v + at;
+            }
+            /* The next tile's rows are fetched while this one computes: a request's blocks lie
+             * anywhere in the cache, so the hardware prefetcher loses the stream at each
+             * block's end, and the step is bound by reading the cache from memory. */
+            const int64_t next_end = seq - (t0 + TILE) < TILE ? seq : t0 + 2 * TILE;
+            for (int64_t pos = t0 + TILE; pos < next_end; ++pos) {
+                const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
+                                    + pos % block_size) * row + g0 * head_dim;
+                for (int64_t b = 0; b < span; b += 16) {
+                    __builtin_prefetch(k + at + b, 0, 3);
+                    __builtin_prefetch(v + at + b, 0, 3);
+                }
             }
             for (int64_t j = 0; j < heads; ++j) {
                 const int64_t off = (j / group) * head_dim; /* this head's KV head in a row */

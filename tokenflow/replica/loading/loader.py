@@ -20,7 +20,7 @@ from tokenflow.replica.loading.model_source import ModelSource, TensorSource
 from tokenflow.replica.loading.resolve import resolve_model
 from tokenflow.replica.models import CausalLM
 from tokenflow.replica.models.config import ModelArchConfig
-from tokenflow.replica.models.quantized import Quantization, quantize_linears
+from tokenflow.replica.models.quantized import Quantization, prepack_lm_head, quantize_linears
 from tokenflow.replica.models.registry import get_model_class
 
 _DTYPES = {
@@ -86,7 +86,8 @@ def load_model(
     quantization: Quantization = "none",
 ) -> CausalLM:
     """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights,
-    its linear layers quantized as asked (`quantize_linears`)."""
+    its linear layers quantized as asked (`quantize_linears`) and, on the CPU, its LM head
+    prepacked for oneDNN (`prepack_lm_head`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
@@ -108,6 +109,7 @@ def load_model(
     else:
         _fill(needed, source.tensors(set(needed)))
     quantize_linears(model, quantization)
+    prepack_lm_head(model)
     # Inference only: no autograd bookkeeping even if a caller forgets inference_mode.
     return model.eval().requires_grad_(False)
 

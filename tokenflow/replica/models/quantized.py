@@ -17,6 +17,10 @@ the dense bfloat16 matmul (oneDNN, AVX512-BF16) is faster, ~2.5x the packed kern
 rows (bench/README, "Quantized weights"). So each layer also keeps its dequantized weight as
 bfloat16 and multiplies by that above its row threshold: 2.5 bytes a weight in all (int4 +
 bfloat16) against float32's 4, both paths multiplying by the same values.
+
+The LM head is never compiled, so it holds its dense copy prepacked for oneDNN instead
+(`prepack_lm_head`, models/prepacked.py), which beats the int8 kernel from 2 rows on; the
+compiled layers get their copies prepacked by inductor's freezing (worker/compile.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenflow.replica.models.prepacked import PrepackedLinear, can_prepack, prepack, prepacked_mm
 
 Quantization = Literal["none", "int8", "int4"]
 # Input columns per int4 group: GGUF's 4-bit blocks (Q4_0, Q4_1) are 32 weights of one row.
@@ -39,6 +45,10 @@ _ROW_MULTIPLE = 16  # output rows of a packed int4 weight
 # crossovers on this project's machine: 8 for the layers, 16 for a 49k-row LM head).
 DENSE_ABOVE_ROWS = 8
 HEAD_DENSE_ABOVE_ROWS = 16
+# The same for a head whose dense copy is prepacked (`prepack_lm_head`): the int8 kernel only
+# for one row (1.27 against 1.34 ms for SmolLM2's [576 -> 49152] head; 2 rows: 1.70 against
+# 1.49 ms; 16 rows: 8.5 against 2.8 ms).
+PREPACKED_HEAD_ABOVE_ROWS = 1
 
 
 class QuantizedLinear(nn.Module):
@@ -55,6 +65,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
         self.register_buffer("dense", None)  # bfloat16 [N, K], see `keep_dense`
+        self.prepacked: torch.Tensor | None = None  # the dense copy for oneDNN, `prepack_dense`
         self.dense_above_rows = 1 << 62
 
     def keep_dense(self, above_rows: int, values: torch.Tensor | None = None
@@ -63,6 +74,16 @@ class QuantizedLinear(nn.Module):
         `above_rows` rows by it (see the module docstring). `values`: that weight, when the
         caller has it (else it is read back through the kernel, which is slower)."""
         self.dense = (self.dequantized() if values is None else values).to(_COMPUTE)
+        self.dense_above_rows = above_rows
+        return self
+
+    def prepack_dense(self, above_rows: int) -> QuantizedLinear:
+        """Hold the dense copy prepacked for oneDNN instead (models/prepacked.py), multiplying
+        batches of more than `above_rows` rows by it. Eager only: for a layer `torch.compile`
+        never traces (the LM head)."""
+        if self.dense is None or not can_prepack(self.dense):
+            raise ValueError("prepack_dense needs the dense bfloat16 copy on the CPU")
+        self.prepacked, self.dense = prepack(self.dense), None
         self.dense_above_rows = above_rows
         return self
 
@@ -121,7 +142,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(_COMPUTE)
-        if self.dense is not None and flat.shape[0] > self.dense_above_rows:
+        dense_rows = flat.shape[0] > self.dense_above_rows
+        if dense_rows and self.prepacked is not None:
+            out = prepacked_mm(flat, self.prepacked)
+        elif dense_rows and self.dense is not None:
             out = F.linear(flat, self.dense)
         else:
             out = self._packed(flat)
@@ -191,3 +215,24 @@ def quantize_linears(model: nn.Module, method: Quantization, keep_dense: bool = 
         model.lm_head = quantized("lm_head", embed.weight.data)
     return model
 
+
+
+def prepack_lm_head(model: nn.Module) -> nn.Module:
+    """On the CPU, hold the last stage's LM head prepacked for oneDNN (models/prepacked.py), in
+    place: a `QuantizedLinear` head's dense copy (multiplying from 2 rows on, the int8 kernel
+    keeping one row), a float head's weight, or, for a head tied to the embedding, a prepacked
+    copy of it (the lookup keeps the table). Elsewhere, or without oneDNN, nothing changes."""
+    if not getattr(model, "is_last_stage", False):
+        return model
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QuantizedLinear):
+        if head.dense is not None and can_prepack(head.dense):
+            head.prepack_dense(PREPACKED_HEAD_ABOVE_ROWS)
+    elif isinstance(head, nn.Linear):
+        if head.bias is None and can_prepack(head.weight):
+            model.lm_head = PrepackedLinear(head.weight.detach())
+    elif head is None:
+        embed = getattr(model, "embed_tokens", None)
+        if embed is not None and can_prepack(embed.weight):
+            model.lm_head = PrepackedLinear(embed.weight.detach())
+    return model
