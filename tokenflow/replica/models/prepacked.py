@@ -56,6 +56,12 @@ class PrepackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.packed = prepack(weight)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [N, K] it multiplies by, unpacked (a copy: for inspection, not the hot
+        path)."""
+        return self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.dtype)
         return prepacked_mm(flat, self.packed).view(*x.shape[:-1], self.out_features)
