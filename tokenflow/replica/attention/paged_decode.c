@@ -25,6 +25,8 @@
 #define MAX_HEAD_DIM 256
 /* Tokens per tile of the online softmax. */
 #define TILE 32
+/* Floats in a 64-byte cache line: the prefetch's stride. */
+#define FLOATS_PER_LINE 16
 /* Requests from which on a task takes all KV heads of its request (fewer: one KV head per
  * task, so that a step of one or two decodes still spreads over the cores). */
 #define WHOLE_REQUEST_TASKS 8
@@ -184,7 +186,7 @@ int paged_decode_f32(const float *new_k, int64_t k_tok, int64_t k_head, const fl
             for (int64_t pos = t0 + TILE; pos < next_end; ++pos) {
                 const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
                                     + pos % block_size) * row + g0 * head_dim;
-                for (int64_t b = 0; b < span; b += 16) {
+                for (int64_t b = 0; b < span; b += FLOATS_PER_LINE) {
                     __builtin_prefetch(k + at + b, 0, 3);
                     __builtin_prefetch(v + at + b, 0, 3);
                 }

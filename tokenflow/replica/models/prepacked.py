@@ -3,9 +3,10 @@
 `F.linear` on the CPU hands its weight to the BLAS as it lies ([N, K], row-major) on every call,
 and the BLAS re-blocks it as it goes; oneDNN can instead hold the weight once in its own blocked
 layout (`mkldnn._reorder_linear_weight`) and multiply by that (`mkldnn._linear_pointwise`).
-Measured on this project's 2-core machine (bench/README, "What each part ... contributes"): the
-LM head of a batch-64 decode step of the benchmark model (float32, [64, 512] x [512, 32000])
-21.6 -> 10.0 ms; SmolLM2's bfloat16 head at 16 rows 5.1 -> 2.8 ms (and faster than the int8
+Measured alone on a 2-core AMD VM (bench/README, "Offline throughput" and "What each part ...
+contributes", 2026-12-06): the LM head of a batch-64 decode step of the benchmark model
+(float32, [64, 512] x [512, 32000]) 21.6 -> 10.0 ms; SmolLM2's bfloat16 head at 16 rows
+5.1 -> 2.8 ms (and faster than the int8
 kernel from 2 rows on). The bfloat16 products are bit-identical to `F.linear`'s; float32 ones
 differ in the last bits (another summation order), as two BLAS calls of different shapes do.
 

@@ -216,7 +216,6 @@ def quantize_linears(model: nn.Module, method: Quantization, keep_dense: bool = 
     return model
 
 
-
 def prepack_lm_head(model: nn.Module) -> nn.Module:
     """On the CPU, hold the last stage's LM head prepacked for oneDNN (models/prepacked.py), in
     place: a `QuantizedLinear` head's dense copy (multiplying from 2 rows on, the int8 kernel

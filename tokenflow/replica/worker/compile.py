@@ -44,8 +44,8 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
     start = time.perf_counter()
     block_size, device = kv_caches[0].shape[2], kv_caches[0].device
     # Freezing makes the weights constants of the graph, which on the CPU lets inductor keep
-    # each dense weight prepacked in oneDNN's blocked layout: the float32 and bfloat16 matmuls
-    # of 9+ rows run ~1.3-2x faster (bench/README, "What each part ... contributes"). Safe: no
+    # each dense weight prepacked in oneDNN's blocked layout: a float model's matmuls and a
+    # quantized model's bfloat16 copies (9+ rows) run ~1.3-2x faster (bench/README, "What each part ... contributes"). Safe: no
     # weight changes after startup. It costs start-up time: a restart with inductor's cache
     # warm took ~61 s against ~20 s unfrozen on a 2-core VM (freezing only the graph of 9+ rows
     # still took ~50 s). Set process-wide: `torch.compile(options=...)` does not
