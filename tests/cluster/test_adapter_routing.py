@@ -83,3 +83,36 @@ def test_a_request_for_an_adapter_goes_to_the_replica_that_holds_it(router_class
         assert ranks[0] == [plain]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("router_class", [PrefixAwareRouter, KVAwareRouter])
+def test_a_retried_request_stays_with_the_holder_until_it_is_full(router_class) -> None:
+    """Serve calls `choose_replicas` again for the same request when no replica it ranked
+    answered its queue-length probe in time (0.1 s at first, a loaded machine misses it):
+    the request still goes to the adapter's replica, and leaves it only once the replica is
+    known to be full (then to the replicas holding the fewest, as Serve's fallback)."""
+    async def scenario() -> None:
+        router = router_class(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(block_size=4, seed=0)
+        plain, holder, busy = (_Replica(ReplicaID(f"r{i}", DEPLOYMENT)) for i in range(3))
+        holder.multiplexed_model_ids = {"support-bot", "other"}
+        busy.multiplexed_model_ids = {"third"}
+        replicas = [plain, holder, busy]
+        router.update_replicas(replicas)
+        request = _request({"model": "support-bot", "prompt": list(range(40))}, "support-bot")
+        for _ in range(3):  # the first try and two retries
+            ranks = await router.choose_replicas(replicas, request)
+            assert ranks[0] == [holder]
+            assert request.routing_context.should_backoff
+        router.replica_queue_len_cache.update(holder.replica_id, holder.max_ongoing_requests)
+        ranks = await router.choose_replicas(replicas, request)
+        assert [r for rank in ranks for r in rank] == [plain]  # fewer adapters than busy
+        # Every replica known full: any of them (Serve then probes and backs off).
+        for replica in replicas:
+            router.replica_queue_len_cache.update(replica.replica_id,
+                                                  replica.max_ongoing_requests)
+        ranks = await router.choose_replicas(replicas, request)
+        assert {r.replica_id for rank in ranks for r in rank} == {r.replica_id
+                                                                 for r in replicas}
+
+    asyncio.run(scenario())

@@ -11,7 +11,8 @@ while one does (and is not full), else to the replicas holding the fewest, else 
   ingress request router sets it on its handle call); the ingress deployment of the
   `proxy_ingress` modes sets it from the request's resolved `SamplingParams.lora`.
 - `adapter_candidates(router, candidates, request)`: the same preference for tokenflow's own
-  request routers (`PrefixAwareRouter`, `KVAwareRouter`), before their own cost.
+  request routers (`PrefixAwareRouter`, `KVAwareRouter`), before their own cost, kept
+  while a holder has room (Serve's gives up on a holder at the first retry).
 """
 
 from __future__ import annotations
@@ -57,13 +58,28 @@ def adapter_of(body: dict[str, Any], base_model: str) -> str | None:
 
 def adapter_candidates(router: RequestRouter, candidates: list[RunningReplica],
                        request: PendingRequest | None) -> list[RunningReplica]:
-    """The candidates a request for an adapter should choose among (Serve's multiplex
-    preference: the replicas holding it, then those holding the fewest, then all); every
-    candidate for a request that names none."""
+    """The candidates a request for an adapter should choose among: the replicas holding it
+    that are not known to be full, else those holding the fewest adapters (not known full),
+    else all; every candidate for a request that names none.
+
+    Serve's own `apply_multiplex_routing` gives up on the holders at the first retry, and a
+    retry also follows a queue-length probe that timed out (0.1 s at first: a loaded
+    machine misses it), so its requests for one adapter spread over replicas that are not
+    full at all. Here a holder is left only when the router's queue-length cache says it
+    is full; a probe that timed out is retried on it, with Serve's growing deadline."""
     if request is None or not request.metadata.multiplexed_model_id:
         return candidates
-    preferred = router.apply_multiplex_routing(pending_request=request)
-    return [r for r in candidates if r.replica_id in preferred] or candidates
+    name = request.metadata.multiplexed_model_id
+    queued = router.replica_queue_len_cache
+    open_ = [r for r in candidates
+             if (n := queued.get(r.replica_id)) is None or n < r.max_ongoing_requests]
+    holders = [r for r in open_ if name in r.multiplexed_model_ids]
+    if holders:
+        return holders
+    if not open_:
+        return candidates
+    fewest = min(len(r.multiplexed_model_ids) for r in open_)
+    return [r for r in open_ if len(r.multiplexed_model_ids) == fewest]
 
 
 def _in_serve_replica() -> bool:

@@ -390,6 +390,8 @@ class KVAwareRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self._follow(candidate_replicas)
+        if pending_request is not None:  # every replica is ranked at once: a retry backs off
+            pending_request.routing_context.should_backoff = True
         # A request for a LoRA adapter: among the replicas that hold it first.
         candidate_replicas = adapter_candidates(self, candidate_replicas, pending_request)
         # A replica just followed (this router started, or it did): wait briefly for its

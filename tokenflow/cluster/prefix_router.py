@@ -214,6 +214,8 @@ class PrefixAwareRouter(FIFOMixin, MultiplexMixin, RequestRouter):
         if not candidate_replicas:
             return []
         self._forget_gone(candidate_replicas)
+        if pending_request is not None:  # every replica is ranked at once: a retry backs off
+            pending_request.routing_context.should_backoff = True
         # A request for a LoRA adapter: among the replicas that hold it first.
         candidate_replicas = adapter_candidates(self, candidate_replicas, pending_request)
         loads = {r.replica_id: ongoing_requests(self.replica_queue_len_cache, r)
