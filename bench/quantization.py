@@ -12,6 +12,11 @@ the whole engine (`LLM.generate`).
     python bench/quantization.py
     python bench/quantization.py --methods none int4 --out bench/results/quantization.json
     python bench/quantization.py --kernels    # also: one matmul of each kind, 1-256 rows
+    python bench/quantization.py --methods none int4 int4:bfloat16   # and a bfloat16 KV cache
+
+A method may name a KV cache dtype after a colon (`int4:bfloat16`: int4 weights over a
+bfloat16 cache, `cache.kv_cache_dtype`; the corpus's K/V are rounded as that cache stores
+them); without one the cache is the model's float32.
 
 `--kernels` times one linear layer of the default model's shapes for each kind of weight
 (bfloat16 dense, int8, int4; float32 activations in and out, as the model calls them) at
@@ -48,20 +53,29 @@ QUESTIONS = [("What is the capital of France?", "Paris"),
              ("Is Tokyo in Japan? Reply with only the word yes.", "yes")]
 
 
+def split_method(method: str) -> tuple[str, str]:
+    """`int4:bfloat16` -> ("int4", "bfloat16"): the weights' quantization, the KV cache's
+    dtype (`auto` where none is named)."""
+    weights, _, cache_dtype = method.partition(":")
+    return weights, cache_dtype or "auto"
+
+
 @torch.inference_mode()
 def corpus_logprobs(method: str, tokens: list[int], chunk: int) -> torch.Tensor:
     """Log-probabilities [len(tokens) - chunks, vocab] of each next token, chunk by chunk
     (each chunk attends to itself only: the same contexts for every method)."""
+    weights, cache_dtype = split_method(method)
+    dtype = torch.float32 if cache_dtype == "auto" else getattr(torch, cache_dtype)
     model = load_model(resolve_model(MODEL), dtype=torch.float32, device=torch.device("cpu"),
-                       quantization=method)  # type: ignore[arg-type]
+                       quantization=weights)  # type: ignore[arg-type]
     out = []
     for start in range(0, len(tokens) - 1, chunk):
         ids = tokens[start:start + chunk]
         n = len(ids)
         meta = AttentionMetadata.build(slot_mapping=list(range(n)), block_table=[[0]],
                                        query_start_loc=[0, n], seq_lens=[n], block_size=n)
-        cache = [torch.zeros(2, 1, n, model.arch.num_kv_heads, model.arch.head_dim)
-                 for _ in model.layers]
+        cache = [torch.zeros(2, 1, n, model.arch.num_kv_heads, model.arch.head_dim,
+                             dtype=dtype) for _ in model.layers]
         hidden, _ = model(torch.tensor(ids), torch.arange(n), cache, meta)
         out.append(torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1))
     return torch.cat(out)
@@ -95,9 +109,10 @@ def quality(methods: list[str], corpus_tokens: int, chunk: int) -> dict[str, dic
 
 
 def engine(method: str) -> LLM:
+    weights, cache_dtype = split_method(method)
     config = EngineConfig.model_validate({
-        "model": {"model": MODEL, "quantization": method},
-        "cache": {"block_size": 16, "num_blocks": 512},
+        "model": {"model": MODEL, "quantization": weights},
+        "cache": {"block_size": 16, "num_blocks": 512, "kv_cache_dtype": cache_dtype},
         "scheduler": {"max_num_batched_tokens": 2048, "max_num_seqs": 64,
                       "max_model_len": 2048}})
     return LLM(config=config)
@@ -183,13 +198,13 @@ def main() -> None:
         print(f"speed and answers: {method} ...", flush=True)
         result[method].update(speed_and_answers(method))
     base = result.get("none", {}).get("decode_ms_per_token_c1")
-    print(f"\n{'method':<7}{'top-1 agree':>12}{'Δlogprob mean':>15}{'max':>8}{'ppl':>8}"
+    print(f"\n{'method':<14}{'top-1 agree':>12}{'Δlogprob mean':>15}{'max':>8}{'ppl':>8}"
           f"{'prefill ms':>12}{'decode ms/tok':>15}{'vs none':>9}{'c16 tok/s':>11}"
           f"{'answers':>9}")
     for method in args.methods:
         r = result[method]
         ratio = f"{base / r['decode_ms_per_token_c1']:.2f}x" if base else "-"
-        print(f"{method:<7}{r['top1_agreement']:>12.1%}{r['top_logprob_diff_mean']:>15.4f}"
+        print(f"{method:<14}{r['top1_agreement']:>12.1%}{r['top_logprob_diff_mean']:>15.4f}"
               f"{r['top_logprob_diff_max']:>8.3f}{r['perplexity']:>8.2f}"
               f"{r['prefill_256_words_ms']:>12.1f}{r['decode_ms_per_token_c1']:>15.1f}"
               f"{ratio:>9}{r['output_tok_s_c16']:>11.1f}"

@@ -87,6 +87,11 @@ class CacheConfig(_Frozen):
     num_blocks: int | None = Field(default=None, ge=1)
     kv_cache_memory_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
     enable_prefix_caching: bool = True
+    # The cache's element type (as vLLM's kv_cache_dtype). `auto`: the model's. `bfloat16` under
+    # a float32 model halves what a decode step reads (K/V rounded as they are stored; every
+    # path attends over the stored values, so paths stay token-exact with each other, not
+    # with a float32 cache).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class SchedulerConfig(_Frozen):

@@ -26,7 +26,9 @@ def smollm2_app(cluster: Cluster) -> Iterator[App]:
     from ray import serve
 
     args = {"engine": {"model": {"model": SMOLLM2_MODEL_NAME},
-                       "cache": {"block_size": 16, "num_blocks": 64},
+                       # bfloat16 K/V, as configs/local.yaml ships them
+                       "cache": {"block_size": 16, "num_blocks": 64,
+                                 "kv_cache_dtype": "bfloat16"},
                        "scheduler": {"max_model_len": 512, "max_num_seqs": 8,
                                      "max_num_batched_tokens": 512}},
             "deployment": {"num_replicas": 1, "ray_actor_options": SERVER_ACTOR_OPTIONS}}

@@ -32,9 +32,10 @@ def _step(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
     random.Random(seed).shuffle(order)
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen)
     table, slots, qsl = [], [], [0]
+    width = max(8, -(-max(seq_lens) // BLOCK_SIZE) + 1)
     for n, q in zip(seq_lens, query_lens, strict=True):
         own = [order.pop() for _ in range(-(-n // BLOCK_SIZE))]
-        table.append(own + [-1] * (8 - len(own)))  # -1: padding past the request's blocks
+        table.append(own + [-1] * (width - len(own)))  # -1: padding past the request's blocks
         slots += [own[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n - q, n)]
         qsl.append(qsl[-1] + q)
     meta = AttentionMetadata.build(slot_mapping=slots, block_table=table, query_start_loc=qsl,
@@ -53,21 +54,28 @@ def kernel() -> cpu_kernel.PagedDecodeKernel:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("shape", ["decodes", "many decodes", "mixed"])
-def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, shape) -> None:
-    if shape == "decodes":  # few: a task per request and KV head
+@pytest.mark.parametrize("shape", ["decodes", "many decodes", "mixed", "one long", "few long"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, shape,
+                                       cache_dtype) -> None:
+    if shape == "decodes":  # few: a task per request
         seq_lens, query_lens = [1, 17, 100, 33, 64, 120], [1] * 6
-    elif shape == "many decodes":  # a task per request, all its KV heads
+    elif shape == "many decodes":  # a task per request
         seq_lens = [1, 17, 100, 33, 64, 120, 31, 32, 33, 127, 5, 80]
         query_lens = [1] * len(seq_lens)
+    elif shape == "one long":  # one request: its context split into chunks, merged
+        seq_lens, query_lens = [700], [1]
+    elif shape == "few long":  # chunks of unequal contexts, some shorter than a chunk
+        seq_lens, query_lens = [300, 129, 7, 1000], [1] * 4
     else:  # a prompt first, a chunk after a prefix, decodes between
         seq_lens, query_lens = [40, 5, 90, 70, 2], [40, 1, 1, 30, 1]
     cache, q, k, v, meta = _step(seq_lens, query_lens, heads, kv_heads, dim, window, seed=1)
+    cache = cache.to(cache_dtype)  # bfloat16: the step's K/V are rounded as they are written
     expected_cache = cache.clone()
     expected = TorchAttentionBackend().forward(q, k, v, expected_cache, meta, dim**-0.5)
     out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
-    assert torch.equal(cache, expected_cache)  # the step's K/V written the same
+    assert torch.equal(cache, expected_cache)  # the step's K/V written (and rounded) the same
 
 
 def test_kernel_declines_groups_beyond_its_buffers(kernel) -> None:
@@ -110,3 +118,35 @@ def test_each_thread_attends_with_its_own_step() -> None:
     for t in threads:
         t.join()
     assert results == {3: True, 4: True}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_bfloat16_cache_gives_a_whole_prompt_what_its_chunks_get(kernel, backend) -> None:
+    """A prompt attended whole (over its fresh K/V) and in two chunks (the second reading the
+    first's K/V back from the cache) agree when the cache is bfloat16: the whole prompt's K/V
+    are rounded as the cache rounds them. With float32 K/V the whole prompt differs."""
+    gen = torch.Generator().manual_seed(5)
+    n, first, heads, kv_heads, dim = 40, 24, 9, 3, 64
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    blocks = -(-n // BLOCK_SIZE)
+    table, slots = [list(range(blocks))], list(range(n))
+    attention = TorchAttentionBackend() if backend == "torch" else CpuAttentionBackend(kernel)
+
+    def run(cache, tokens, seq_len):
+        count = tokens.stop - tokens.start
+        meta = AttentionMetadata.build(slot_mapping=slots[seq_len - count:seq_len],
+                                       block_table=table, query_start_loc=[0, count],
+                                       seq_lens=[seq_len], block_size=BLOCK_SIZE)
+        return attention.forward(q[tokens], k[tokens], v[tokens], cache, meta, dim**-0.5)
+
+    def fresh():
+        return torch.zeros(2, blocks, BLOCK_SIZE, kv_heads, dim, dtype=torch.bfloat16)
+
+    whole = run(fresh(), slice(0, n), n)
+    cache = fresh()
+    run(cache, slice(0, first), first)
+    second = run(cache, slice(first, n), n)
+    torch.testing.assert_close(second, whole[first:], atol=2e-6, rtol=1e-5)
+    unrounded = run(torch.zeros(2, blocks, BLOCK_SIZE, kv_heads, dim), slice(0, n), n)
+    assert (unrounded - whole).abs().max() > 1e-4

@@ -174,3 +174,25 @@ def test_bad_input_is_a_clear_error(checkpoint):
         llm.generate([[5] * 10], SamplingParams(max_tokens=60), use_tqdm=False)
     # The engine keeps working.
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_bfloat16_cache_gives_every_path_the_same_tokens(checkpoint):
+    """`cache.kv_cache_dtype: bfloat16` under the float32 model: the K/V are rounded as they
+    are stored, and every path attends over the stored values (a whole prompt over its own
+    rounded K/V too), so chunked prefill, prefix hits and preemption give the plain path's
+    tokens (not transformers' float32 ones, which a near tie may part from)."""
+    path, _ = checkpoint
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts()
+    tokens = {}
+    for scenario, geometry in SCENARIOS.items():
+        llm = LLM(str(path), max_model_len=256, kv_cache_dtype="bfloat16", **geometry)
+        llm.generate([prompts[-1][:40] + [99]], SamplingParams(max_tokens=1), use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[scenario] = [o.outputs[0].token_ids for o in outputs]
+        if scenario == "preemption":
+            assert llm.totals.num_preemptions > 0
+        if scenario == "plain":
+            assert outputs[-1].num_cached_tokens >= 32
+        llm.shutdown()
+    assert all(t == tokens["plain"] for t in tokens.values()), tokens

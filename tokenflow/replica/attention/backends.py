@@ -203,10 +203,11 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter this step's K/V [T, KVH, D] into their slots of the paged cache."""
+    """Scatter this step's K/V [T, KVH, D] into their slots of the paged cache (in the cache's
+    dtype: a bfloat16 cache under a float32 model rounds them)."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, num_blocks * block_size, KVH, D]
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 class TorchAttentionBackend:
@@ -217,6 +218,10 @@ class TorchAttentionBackend:
     chunks go one by one, with SDPA's `enable_gqa`. K/V are never repeated per query head. The
     cache must hold finite values (zero-initialise it): padded slots are masked with -inf,
     which a NaN would survive.
+
+    A cache in another dtype than the model's (`cache.dtype: bfloat16` under a float32 model)
+    is read back in the model's: every path attends over the K/V as the cache holds them, a
+    prompt's own fresh ones included, so chunked, prefix-hit and whole prefills agree.
     """
 
     def __init__(self) -> None:
@@ -279,10 +284,10 @@ class TorchAttentionBackend:
         batch, (_, _, block_size, kv_heads, head_dim) = q.shape[0], kv_cache.shape
         flat = ids.reshape(-1)
         numel = flat.numel() * block_size * kv_heads * head_dim
-        buf = self._buffer(2 * numel, q)
+        buf = self._buffer(2 * numel, kv_cache)
         shape = (flat.numel(), block_size, kv_heads, head_dim)
-        k = torch.index_select(kv_cache[0], 0, flat, out=buf[:numel].view(shape))
-        v = torch.index_select(kv_cache[1], 0, flat, out=buf[numel:].view(shape))
+        k = torch.index_select(kv_cache[0], 0, flat, out=buf[:numel].view(shape)).to(q.dtype)
+        v = torch.index_select(kv_cache[1], 0, flat, out=buf[numel:].view(shape)).to(q.dtype)
         k = k.view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # [B, KVH, L, D]
         v = v.view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         # The query heads of one KV head act as its query rows: K/V are read once per KV head.
@@ -303,7 +308,9 @@ class TorchAttentionBackend:
         if span.block_ids is not None:
             # Earlier context sits in the cache (chunk, prefix hit): read all of it from there.
             ctx = kv_cache.index_select(1, span.block_ids)  # [2, blocks, block_size, KVH, D]
-            k, v = ctx.flatten(1, 2)[:, : span.seq_len]  # [S, KVH, D] each
+            k, v = ctx.flatten(1, 2)[:, : span.seq_len].to(q.dtype)  # [S, KVH, D] each
+        elif kv_cache.dtype != k.dtype:  # as a later chunk would read them back
+            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         mask = None if span.mask is None else span.mask.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
@@ -354,7 +361,7 @@ class FlashAttentionBackend:
     """flash-attn's varlen kernel reading the paged cache through the block table (CUDA only).
 
     Upstream flash-attn pages only blocks of a multiple of 256 tokens; a cache with smaller
-    blocks goes through the torch backend instead.
+    blocks, or in another dtype than the model's, goes through the torch backend instead.
     """
 
     def __init__(self) -> None:
@@ -372,7 +379,7 @@ class FlashAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.block_size % 256:
+        if meta.block_size % 256 or kv_cache.dtype != q.dtype:
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return self._attn(

@@ -77,44 +77,47 @@ def load() -> PagedDecodeKernel | None:
 
 
 class PagedDecodeKernel:
-    """Owns the loaded library; `__call__` attends a step's decodes into `out`."""
+    """Owns the loaded library (a function per cache dtype: float32, bfloat16); `__call__`
+    attends a step's decodes into `out`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
-                       _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr]
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in ((torch.float32, "paged_decode_f32"),
+                            (torch.bfloat16, "paged_decode_bf16")):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr,
+                           _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
+                           _ptr]
+            self._fns[dtype] = fn
 
-    @staticmethod
-    def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
-                 ) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor) -> bool:
         return (q.device.type == "cpu" and kv_cache.is_contiguous()
-                and q.dtype == k.dtype == v.dtype == kv_cache.dtype == torch.float32
+                and q.dtype == k.dtype == v.dtype == torch.float32
+                and kv_cache.dtype in self._fns
                 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                  out: torch.Tensor) -> bool:
         """Write the step's k/v [T, KVH, D] to their slots (`meta.slot_mapping`) of kv_cache
-        [2, blocks, block_size, KVH, D], then attend q [T, H, D] of the decodes (float32,
-        last dims contiguous) through `meta.decode_block_table`, `decode_seq_lens` and
+        [2, blocks, block_size, KVH, D] (float32 or bfloat16: rounded to nearest even, as
+        `.to()` rounds), then attend q [T, H, D] of the decodes (float32, last dims contiguous) through `meta.decode_block_table`, `decode_seq_lens` and
         `decode_token_idx`, keys limited to `meta.window`; out [T, H, D] contiguous: its rows
         of decodes are written. False: the shapes are beyond the kernel (nothing written, not
         even k/v)."""
         slots, block_table, token_idx = (meta.slot_mapping, meta.decode_block_table,
                                          meta.decode_token_idx)
         _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-        half = num_blocks * block_size * kv_heads * head_dim * 4  # bytes of K before V
+        half = num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()  # K's
         cache = kv_cache.data_ptr()
-        rc = self._fn(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                      v.stride(1), slots.data_ptr(),
-                      slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), cache,
-                      cache + half, block_table.data_ptr(), block_table.stride(0),
-                      meta.decode_seq_lens.data_ptr(), token_idx.data_ptr(),
-                      token_idx.shape[0], q.shape[1], kv_heads, head_dim, block_size,
-                      meta.window or 0, scale,
-                      out.data_ptr())
+        rc = self._fns[kv_cache.dtype](
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            slots.data_ptr(), slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), cache,
+            cache + half, block_table.data_ptr(), block_table.stride(0),
+            meta.decode_seq_lens.data_ptr(), token_idx.data_ptr(), token_idx.shape[0],
+            q.shape[1], kv_heads, head_dim, block_size, meta.window or 0, scale, out.data_ptr())
         return rc == 0
 
 

@@ -1,12 +1,17 @@
-/* Paged decode attention on the CPU, float32: each decoding request's one query attends over
- * its context where it lies in the paged KV cache, through its block table row. No gather copy,
- * no padding, no mask: keys are read in place, once per KV head for all of its query heads.
+/* Paged decode attention on the CPU, float32 queries over a float32 or bfloat16 cache: each
+ * decoding request's one query attends over its context where it lies in the paged KV cache,
+ * through its block table row. No gather copy, no padding, no mask: keys are read in place,
+ * once per KV head for all of its query heads.
  *
- * Decode attention is bound by memory: every step reads each request's whole K/V once. So a
- * task reads a token's row of all its KV heads together (contiguous inside a block, so the
- * hardware prefetcher streams whole blocks), in tiles of TILE tokens with an online softmax
- * (no per-task buffer sized by the context), and the dot products of a tile are independent
- * chains (out-of-order execution overlaps them with the loads).
+ * Decode attention is bound by memory: every step reads each request's whole K/V once (a
+ * bfloat16 cache: half the bytes). So a task reads a token's row of all its KV heads together
+ * (contiguous inside a block, so the hardware prefetcher streams whole blocks), in tiles of
+ * one vector's width of tokens with an online softmax (no per-task buffer sized by the
+ * context). A tile's scores come out as one vector: each token's products stay a vector until
+ * one transposing reduction sums the whole tile's (a horizontal sum per token cost more than
+ * the loads), and a K or V row is loaded once for all the query heads of its KV head. With few
+ * decodes (one request chatting) each context is split into chunks, attended in parallel and
+ * merged (flash-decoding), so every core reads.
  *
  * Built by tokenflow/replica/attention/cpu_kernel.py (cc -O3 -march=native -fopenmp
  * -ffp-contract=fast); loaded after torch, so OpenMP is torch's own runtime (one thread pool,
@@ -17,19 +22,20 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 /* Query heads per KV head this kernel handles on the stack (more: the torch backend). */
 #define MAX_GROUP 16
 /* Query heads one task holds on the stack when it takes all of a request's KV heads. */
 #define MAX_HEADS 32
 /* Largest head_dim handled on the stack. */
 #define MAX_HEAD_DIM 256
-/* Tokens per tile of the online softmax. */
-#define TILE 32
-/* Floats in a 64-byte cache line: the prefetch's stride. */
-#define FLOATS_PER_LINE 16
-/* Requests from which on a task takes all KV heads of its request (fewer: one KV head per
- * task, so that a step of one or two decodes still spreads over the cores). */
-#define WHOLE_REQUEST_TASKS 8
+/* Bytes of a cache line: the prefetch's stride. */
+#define LINE_BYTES 64
+/* With fewer tasks than this per thread, contexts are split into chunks ... */
+#define TASKS_PER_THREAD 4
+/* ... of at least this many tokens (a chunk's partial result costs a merge). */
+#define MIN_CHUNK 64
 
 /* GCC/Clang vector extensions: the machine's widest float vector under -march=native. */
 #ifdef __AVX512F__
@@ -37,9 +43,9 @@
 #else
 #define VW 8
 #endif
+/* Tokens per tile of the online softmax: one vector of scores. */
+#define TILE VW
 typedef float vec __attribute__((vector_size(VW * sizeof(float))));
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 
 static inline vec load(const float *p) {
     vec x;
@@ -49,16 +55,67 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec x) { memcpy(p, &x, sizeof x); }
 
-static inline float horizontal_sum(vec s) {
+/* The cache holds float32 or bfloat16 (the top half of a float32: widening is a shift). */
+typedef uint16_t hvec __attribute__((vector_size(VW * sizeof(uint16_t))));
+typedef uint32_t uvec __attribute__((vector_size(VW * sizeof(uint32_t))));
+
+/* VW elements of a cache row from element i on, as floats. */
+static inline vec load_kv(const void *row, int64_t i, const int bf16) {
+    if (!bf16) return load((const float *)row + i);
+    hvec h;
+    memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    return (vec)(__builtin_convertvector(h, uvec) << 16);
+}
+
+static inline float kv_at(const void *row, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)row)[i];
+    union { uint32_t u; float f; } x = {.u = (uint32_t)((const uint16_t *)row)[i] << 16};
+    return x.f;
+}
+
+/* float32 -> bfloat16, rounding to nearest even (as torch's `.to(torch.bfloat16)`). */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } x = {.f = f};
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* The lane sums of x[0..VW) as one vector: lane i is the sum of x[i]'s lanes. A tree of
+ * two-source shuffles, each level halving the lanes per vector: ~3 instructions a token
+ * where one horizontal sum per token takes ~8. */
+static inline vec transpose_sum(const vec *x) {
+    vec a[VW / 2], b[VW / 4];
 #if VW == 16
-    const vec8 a = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7)
-                   + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15);
+    vec c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                         24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                       17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                         21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                                       17, 20, 21, 24, 25, 28, 29)
+               + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                         19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                   26, 28, 30)
+           + __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                     27, 29, 31);
 #else
-    const vec8 a = s;
+    for (int i = 0; i < 4; ++i)
+        a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+               + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; ++i)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+               + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14)
+           + __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 #endif
-    const vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3)
-                   + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* e^x for x <= 0 (a score minus its running maximum), within ~2 ulp: 2^n * e^r with
@@ -79,54 +136,104 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-static inline float dot(const float *a, const float *b, int64_t dim) {
-    vec s = {0};
-    int64_t d = 0;
-    for (; d + VW <= dim; d += VW) s += load(a + d) * load(b + d);
-    float total = horizontal_sum(s);
-    for (; d < dim; ++d) total += a[d] * b[d];
-    return total;
+/* Where a task is in its softmax: per query head the running maximum, the running sum of
+ * e^(score - maximum) and the V rows summed with those weights. */
+struct online_softmax {
+    float top[MAX_HEADS], total[MAX_HEADS];
+    float acc[MAX_HEADS][MAX_HEAD_DIM];
+};
+
+/* One tile of n <= TILE tokens (K rows krow[i], V rows vrow[i], from element off on) for the
+ * G query heads qs[0..G) of one KV head, into state heads [h0, h0 + G). Inlined with G and
+ * bf16 constants, so the heads' vectors stay in registers. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const int G, float qs[][MAX_HEAD_DIM], const void *const *krow, const void *const *vrow,
+    int64_t off, int64_t n, int64_t dim, struct online_softmax *st, int64_t h0,
+    const int bf16) {
+    vec part[MAX_GROUP][TILE];
+    float p[MAX_GROUP][TILE];
+    const int64_t whole = dim - dim % VW; /* floats in whole vectors */
+    for (int64_t i = 0; i < n; ++i) {
+        vec s[MAX_GROUP] = {{0}};
+        for (int64_t d = 0; d < whole; d += VW) {
+            const vec kv = load_kv(krow[i], off + d, bf16);
+            for (int j = 0; j < G; ++j) s[j] += load(qs[j] + d) * kv;
+        }
+        for (int64_t d = whole; d < dim; ++d)
+            for (int j = 0; j < G; ++j) s[j][0] += qs[j][d] * kv_at(krow[i], off + d, bf16);
+        for (int j = 0; j < G; ++j) part[j][i] = s[j];
+    }
+    for (int64_t i = n; i < TILE; ++i)
+        for (int j = 0; j < G; ++j) part[j][i] = (vec){0};
+    for (int j = 0; j < G; ++j) {
+        const vec scores = transpose_sum(part[j]);
+        const int64_t h = h0 + j;
+        float m = st->top[h];
+        for (int64_t i = 0; i < n; ++i) m = scores[i] > m ? scores[i] : m;
+        if (m > st->top[h]) { /* a new maximum: rescale what the earlier tiles summed */
+            const float alpha = exp_nonpositive(st->top[h] - m);
+            st->total[h] *= alpha;
+            for (int64_t d = 0; d < dim; ++d) st->acc[h][d] *= alpha;
+            st->top[h] = m;
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+            p[j][i] = exp_nonpositive(scores[i] - m);
+            sum += p[j][i];
+        }
+        st->total[h] += sum;
+    }
+    for (int64_t d = 0; d < whole; d += VW) {
+        vec a[MAX_GROUP];
+        for (int j = 0; j < G; ++j) a[j] = load(st->acc[h0 + j] + d);
+        for (int64_t i = 0; i < n; ++i) {
+            const vec vv = load_kv(vrow[i], off + d, bf16);
+            for (int j = 0; j < G; ++j) a[j] += p[j][i] * vv;
+        }
+        for (int j = 0; j < G; ++j) store(st->acc[h0 + j] + d, a[j]);
+    }
+    for (int64_t d = whole; d < dim; ++d)
+        for (int j = 0; j < G; ++j) {
+            float a = st->acc[h0 + j][d];
+            for (int64_t i = 0; i < n; ++i) a += p[j][i] * kv_at(vrow[i], off + d, bf16);
+            st->acc[h0 + j][d] = a;
+        }
 }
 
-/* acc[0, dim) += sum over i < n of p[i] * (rows[i] + off)[0, dim); four vectors of acc stay in
- * registers across the tile's rows. */
-static inline void add_weighted_rows(float *acc, const float *p, const float *const *rows,
-                                     int64_t off, int64_t n, int64_t dim) {
-    int64_t d = 0;
-    for (; d + 4 * VW <= dim; d += 4 * VW) {
-        vec a0 = load(acc + d), a1 = load(acc + d + VW), a2 = load(acc + d + 2 * VW),
-            a3 = load(acc + d + 3 * VW);
-        for (int64_t i = 0; i < n; ++i) {
-            const float *row = rows[i] + off + d;
-            const float w = p[i];
-            a0 += w * load(row);
-            a1 += w * load(row + VW);
-            a2 += w * load(row + 2 * VW);
-            a3 += w * load(row + 3 * VW);
-        }
-        store(acc + d, a0);
-        store(acc + d + VW, a1);
-        store(acc + d + 2 * VW, a2);
-        store(acc + d + 3 * VW, a3);
-    }
-    for (; d + VW <= dim; d += VW) {
-        vec a = load(acc + d);
-        for (int64_t i = 0; i < n; ++i) a += p[i] * load(rows[i] + off + d);
-        store(acc + d, a);
-    }
-    for (; d < dim; ++d) {
-        float a = acc[d];
-        for (int64_t i = 0; i < n; ++i) a += p[i] * rows[i][off + d];
-        acc[d] = a;
+/* attend_tile with the group size as a constant for the common sizes. */
+static inline __attribute__((always_inline)) void attend_tile_group(
+    int64_t group, float qs[][MAX_HEAD_DIM], const void *const *krow, const void *const *vrow,
+    int64_t off, int64_t n, int64_t dim, struct online_softmax *st, int64_t h0, const int bf16) {
+    switch (group) {
+    case 1: attend_tile(1, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    case 2: attend_tile(2, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    case 3: attend_tile(3, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    case 4: attend_tile(4, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    case 8: attend_tile(8, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    default:
+        for (int64_t j = 0; j < group; ++j)
+            attend_tile(1, qs + j, krow, vrow, off, n, dim, st, h0 + j, bf16);
     }
 }
+
+/* paged_decode_f32 / paged_decode_bf16: the cache's element type a constant. */
+static inline __attribute__((always_inline)) int paged_decode(
+    const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, const float *q, int64_t q_tok,
+    int64_t q_head, void *k, void *v, const int32_t *table, int64_t table_stride,
+    const int32_t *seq_lens, const int64_t *token_idx, int64_t num_decodes, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    float *out, const int bf16);
 
 /* First the step's new keys and values go to their slots (new_k/new_v [T, KVH, D] with
  * strides (k_tok, k_head, 1) and (v_tok, v_head, 1); slots [T] int64 flat slot ids); then out[t, h, :] for
  * t = token_idx[r] of each decode r: softmax(scale * q . K) V over the request's keys
  * [max(0, seq - window), seq) (window 0: all).
  *   q        [T, H, D] with strides (q_tok, q_head, 1)
- *   k, v     [blocks, block_size, KVH, D] contiguous (one layer's half of the cache)
+ *   k, v     [blocks, block_size, KVH, D] contiguous (one layer's half of the cache), float32
+ *            here, bfloat16 in paged_decode_bf16 (the new keys and values rounded to nearest
+ *            even as they are written)
  *   table    [num_decodes, table_stride] int32 block ids
  *   out      [T, H, D] contiguous
  * Returns 0, or -1 when the shapes are beyond the stack buffers (nothing written). */
@@ -137,6 +244,31 @@ int paged_decode_f32(const float *new_k, int64_t k_tok, int64_t k_head, const fl
                      const int32_t *seq_lens, const int64_t *token_idx, int64_t num_decodes,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t window, float scale, float *out) {
+    return paged_decode(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, q, q_tok,
+                        q_head, k, v, table, table_stride, seq_lens, token_idx, num_decodes,
+                        num_heads, num_kv_heads, head_dim, block_size, window, scale, out, 0);
+}
+
+int paged_decode_bf16(const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v,
+                      int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t num_tokens,
+                      const float *q, int64_t q_tok, int64_t q_head, uint16_t *k,
+                      uint16_t *v, const int32_t *table, int64_t table_stride,
+                      const int32_t *seq_lens, const int64_t *token_idx, int64_t num_decodes,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t window, float scale, float *out) {
+    return paged_decode(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, q, q_tok,
+                        q_head, k, v, table, table_stride, seq_lens, token_idx, num_decodes,
+                        num_heads, num_kv_heads, head_dim, block_size, window, scale, out, 1);
+}
+
+static inline __attribute__((always_inline)) int paged_decode(
+    const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, const float *q, int64_t q_tok,
+    int64_t q_head, void *k, void *v, const int32_t *table, int64_t table_stride,
+    const int32_t *seq_lens, const int64_t *token_idx, int64_t num_decodes, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    float *out, const int bf16) {
+    const int64_t elem = bf16 ? 2 : 4; /* bytes of a cache element */
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
         return -1;
@@ -144,79 +276,134 @@ int paged_decode_f32(const float *new_k, int64_t k_tok, int64_t k_head, const fl
     for (int64_t t = 0; t < num_tokens; ++t)
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             const int64_t at = slots[t] * row + g * head_dim;
-            memcpy(k + at, new_k + t * k_tok + g * k_head, sizeof(float) * (size_t)head_dim);
-            memcpy(v + at, new_v + t * v_tok + g * v_head, sizeof(float) * (size_t)head_dim);
+            const float *nk = new_k + t * k_tok + g * k_head, *nv = new_v + t * v_tok + g * v_head;
+            if (bf16) {
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    ((uint16_t *)k)[at + d] = to_bf16(nk[d]);
+                    ((uint16_t *)v)[at + d] = to_bf16(nv[d]);
+                }
+            } else {
+                memcpy((float *)k + at, nk, sizeof(float) * (size_t)head_dim);
+                memcpy((float *)v + at, nv, sizeof(float) * (size_t)head_dim);
+            }
         }
-    const int64_t kv_per_task =
-        num_decodes >= WHOLE_REQUEST_TASKS && num_heads <= MAX_HEADS ? num_kv_heads : 1;
+    /* A task reads whole rows (all KV heads of a token: one stream per block); parallelism
+     * for few requests comes from chunks of their contexts, not from splitting the rows. */
+    const int64_t kv_per_task = num_heads <= MAX_HEADS ? num_kv_heads : 1;
+    const int64_t heads = kv_per_task * group; /* query heads of a task */
     const int64_t tasks_per_request = num_kv_heads / kv_per_task;
-    const int64_t tasks = num_decodes * tasks_per_request;
+    /* Few tasks (few decodes): split each context into chunks, so every thread reads. */
+    int64_t longest = 0;
+    for (int64_t r = 0; r < num_decodes; ++r) {
+        const int64_t seq = seq_lens[r];
+        const int64_t len = (window > 0 && seq > window) ? window : seq;
+        longest = len > longest ? len : longest;
+    }
+    const int64_t want = (int64_t)omp_get_max_threads() * TASKS_PER_THREAD;
+    int64_t chunks = 1;
+    const int64_t base = num_decodes * tasks_per_request;
+    if (base < want && longest >= 2 * MIN_CHUNK) {
+        chunks = (want + base - 1) / base;
+        const int64_t most = longest / MIN_CHUNK;
+        chunks = chunks < most ? chunks : most;
+    }
+    /* A chunked task's result: per query head its maximum, its sum and its weighted V sum. */
+    const int64_t part_floats = heads * (head_dim + 2);
+    float *parts = NULL;
+    if (chunks > 1) {
+        parts = malloc(sizeof(float) * (size_t)(base * chunks * part_floats));
+        if (parts == NULL) chunks = 1;
+    }
+    const int64_t tasks = base * chunks;
 #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
     for (int64_t task = 0; task < tasks; ++task) {
-        const int64_t r = task / tasks_per_request;
-        const int64_t g0 = (task % tasks_per_request) * kv_per_task; /* first KV head */
-        const int64_t heads = kv_per_task * group;                    /* query heads */
+        const int64_t unit = task / chunks, chunk = task % chunks;
+        const int64_t r = unit / tasks_per_request;
+        const int64_t g0 = (unit % tasks_per_request) * kv_per_task; /* first KV head */
         const int64_t seq = seq_lens[r];
         const int64_t first = (window > 0 && seq > window) ? seq - window : 0;
+        /* This chunk's keys [lo, hi): whole tiles, the last chunk takes what is left. */
+        const int64_t per = ((seq - first + chunks - 1) / chunks + TILE - 1) / TILE * TILE;
+        const int64_t lo = first + chunk * per < seq ? first + chunk * per : seq;
+        const int64_t hi = lo + per < seq ? lo + per : seq;
         const int32_t *blocks = table + r * table_stride;
-        const int64_t span = kv_per_task * head_dim; /* floats of a row this task reads */
+        const int64_t span = kv_per_task * head_dim; /* elements of a row this task reads */
         const float *qr = q + token_idx[r] * q_tok + g0 * group * q_head;
-        float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
-        float top[MAX_HEADS], total[MAX_HEADS], p[TILE];
-        const float *krow[TILE], *vrow[TILE];
+        float qs[MAX_HEADS][MAX_HEAD_DIM];
+        struct online_softmax st;
+        const void *krow[TILE], *vrow[TILE];
         for (int64_t j = 0; j < heads; ++j) {
             for (int64_t d = 0; d < head_dim; ++d) qs[j][d] = qr[j * q_head + d] * scale;
-            for (int64_t d = 0; d < head_dim; ++d) acc[j][d] = 0.0f;
-            top[j] = -INFINITY;
-            total[j] = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) st.acc[j][d] = 0.0f;
+            st.top[j] = -INFINITY;
+            st.total[j] = 0.0f;
         }
-        for (int64_t t0 = first; t0 < seq; t0 += TILE) {
-            const int64_t n = seq - t0 < TILE ? seq - t0 : TILE;
+        for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
+            const int64_t n = hi - t0 < TILE ? hi - t0 : TILE;
             for (int64_t i = 0; i < n; ++i) {
                 const int64_t pos = t0 + i;
                 const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
                                     + pos % block_size) * row + g0 * head_dim;
-                krow[i] = k + at;
-                vrow[i] = v + at;
+                krow[i] = (const char *)k + at * elem;
+                vrow[i] = (const char *)v + at * elem;
             }
             /* The next tile's rows are fetched while this one computes: a request's blocks lie
              * anywhere in the cache, so the hardware prefetcher loses the stream at each
-             * block's end, and the step is bound by reading the cache from memory. */
-            const int64_t next_end = seq - (t0 + TILE) < TILE ? seq : t0 + 2 * TILE;
+             * block's end, and the step is bound by reading the cache from memory. Into L2
+             * (locality 2): a tile's lines at once overflow L1's miss queue (measured: L1
+             * 10-15% slower). */
+            const int64_t next_end = hi - (t0 + TILE) < TILE ? hi : t0 + 2 * TILE;
             for (int64_t pos = t0 + TILE; pos < next_end; ++pos) {
                 const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
                                     + pos % block_size) * row + g0 * head_dim;
-                for (int64_t b = 0; b < span; b += FLOATS_PER_LINE) {
-                    __builtin_prefetch(k + at + b, 0, 3);
-                    __builtin_prefetch(v + at + b, 0, 3);
+                for (int64_t b = 0; b < span * elem; b += LINE_BYTES) {
+                    __builtin_prefetch((const char *)k + at * elem + b, 0, 2);
+                    __builtin_prefetch((const char *)v + at * elem + b, 0, 2);
                 }
             }
+            for (int64_t g = 0; g < kv_per_task; ++g)
+                attend_tile_group(group, qs + g * group, krow, vrow, g * head_dim, n,
+                                  head_dim, &st, g * group, bf16);
+        }
+        if (chunks == 1) {
+            float *o = out + (token_idx[r] * num_heads + g0 * group) * head_dim;
+            for (int64_t j = 0; j < heads; ++j)
+                for (int64_t d = 0; d < head_dim; ++d)
+                    o[j * head_dim + d] = st.acc[j][d] / st.total[j];
+        } else {
+            float *part = parts + task * part_floats;
             for (int64_t j = 0; j < heads; ++j) {
-                const int64_t off = (j / group) * head_dim; /* this head's KV head in a row */
-                float m = top[j];
-                for (int64_t i = 0; i < n; ++i) {
-                    p[i] = dot(qs[j], krow[i] + off, head_dim);
-                    m = p[i] > m ? p[i] : m;
-                }
-                if (m > top[j]) { /* a new maximum: rescale what the earlier tiles summed */
-                    const float alpha = exp_nonpositive(top[j] - m);
-                    total[j] *= alpha;
-                    for (int64_t d = 0; d < head_dim; ++d) acc[j][d] *= alpha;
-                    top[j] = m;
-                }
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t i = 0; i < n; ++i) {
-                    p[i] = exp_nonpositive(p[i] - m);
-                    sum += p[i];
-                }
-                total[j] += sum;
-                add_weighted_rows(acc[j], p, vrow, off, n, head_dim);
+                float *h = part + j * (head_dim + 2);
+                h[0] = st.top[j];
+                h[1] = st.total[j];
+                memcpy(h + 2, st.acc[j], sizeof(float) * (size_t)head_dim);
             }
         }
-        float *o = out + (token_idx[r] * num_heads + g0 * group) * head_dim;
-        for (int64_t j = 0; j < heads; ++j)
-            for (int64_t d = 0; d < head_dim; ++d) o[j * head_dim + d] = acc[j][d] / total[j];
+    }
+    if (chunks > 1) { /* merge each head's chunks, rescaled to their common maximum */
+        for (int64_t unit = 0; unit < base; ++unit) {
+            const int64_t r = unit / tasks_per_request;
+            const int64_t g0 = (unit % tasks_per_request) * kv_per_task;
+            float *o = out + (token_idx[r] * num_heads + g0 * group) * head_dim;
+            for (int64_t j = 0; j < heads; ++j) {
+                float m = -INFINITY;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const float top = parts[((unit * chunks + c) * heads + j) * (head_dim + 2)];
+                    m = top > m ? top : m;
+                }
+                float total = 0.0f, *oj = o + j * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) oj[d] = 0.0f;
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const float *h = parts + ((unit * chunks + c) * heads + j) * (head_dim + 2);
+                    if (h[1] == 0.0f) continue; /* an empty chunk */
+                    const float w = exp_nonpositive(h[0] - m);
+                    total += w * h[1];
+                    for (int64_t d = 0; d < head_dim; ++d) oj[d] += w * h[2 + d];
+                }
+                for (int64_t d = 0; d < head_dim; ++d) oj[d] /= total;
+            }
+        }
+        free(parts);
     }
     return 0;
 }

@@ -45,14 +45,17 @@ def _parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def resolve_dtype(
-    model_config_dtype: str, checkpoint_dtype: str | torch.dtype | None, device: torch.device | str
+    model_config_dtype: str, checkpoint_dtype: str | torch.dtype | None, device: torch.device | str,
+    keep_half: bool = False
 ) -> torch.dtype:
-    """`auto` = the checkpoint's dtype, except float32 on CPU for half-precision checkpoints."""
+    """`auto` = the checkpoint's dtype, except float32 on CPU for half-precision checkpoints
+    (unless `keep_half`: the KV cache's `auto` is the model's dtype as it is)."""
     if model_config_dtype != "auto":
         return _parse_dtype(model_config_dtype)
     dtype = torch.float32 if checkpoint_dtype is None else _parse_dtype(checkpoint_dtype)
     # Half-precision matmuls on CPU are slow and lossy; compute in float32 there.
-    if torch.device(device).type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+    if not keep_half and torch.device(device).type == "cpu" \
+            and dtype in (torch.float16, torch.bfloat16):
         return torch.float32
     return dtype
 

@@ -54,7 +54,7 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
         torch._inductor.config.freezing = True
     compiled = torch.compile(model.run_layers, fullgraph=True)
     model.use_compiled(compiled)
-    dtype = kv_caches[0].dtype
+    dtype = next(model.parameters()).dtype  # the model's, as the runner's (not the cache's)
     for tokens in sorted({min(t, max_num_tokens) for t in WARM_UP_TOKENS}):
         meta = AttentionMetadata.build(
             slot_mapping=range(tokens), block_table=[[t // block_size] for t in range(tokens)],

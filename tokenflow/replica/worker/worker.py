@@ -19,6 +19,7 @@ from tokenflow.kv.connector import (
 from tokenflow.net import free_port
 from tokenflow.replica.loading.loader import load_model, resolve_dtype, resolve_quantization
 from tokenflow.replica.loading.resolve import resolve_model
+from tokenflow.replica.worker import huge_pages
 from tokenflow.replica.worker.compile import compile_step
 from tokenflow.replica.worker.drafter import NgramDrafter
 from tokenflow.replica.worker.lora import StageLoRA
@@ -71,6 +72,8 @@ class Worker:
                                               parallel.pipeline_parallel_size,
                                               parallel.stage_layers)[stage]
         self.dtype = resolve_dtype(config.model.dtype, self.arch.dtype, self.device)
+        self.cache_dtype = resolve_dtype(config.cache.kv_cache_dtype, self.dtype, self.device,
+                                         keep_half=True)
         self.quantization = resolve_quantization(config.model.quantization, source,
                                                  self.device, config.model.load_format)
         self.model = load_model(source, dtype=self.dtype, device=self.device,
@@ -112,7 +115,7 @@ class Worker:
     # ------------------------------------------------------------------------- cache
     def bytes_per_block(self) -> int:
         arch, cache = self.arch, self.config.cache
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * cache.block_size * arch.num_kv_heads * arch.head_dim * elem * self.num_layers
 
     def num_blocks_available(self) -> int:
@@ -133,7 +136,7 @@ class Worker:
     def init_cache(self, num_blocks: int, max_model_len: int) -> None:
         arch, bs = self.arch, self.config.cache.block_size
         shape = (2, num_blocks, bs, arch.num_kv_heads, arch.head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv_caches = [huge_pages.zeros(shape, self.cache_dtype, self.device)
                      for _ in range(self.num_layers)]
         spec = self.config.speculative
         drafter = None
