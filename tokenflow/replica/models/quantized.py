@@ -2,14 +2,18 @@
 torch's packed CPU kernels multiply them directly, so a decode step reads a quarter (int8) or
 an eighth (int4) of the bytes the float32 weights take.
 
-- `int8`: one symmetric scale per output row (`aten._weight_int8pack_mm`).
-- `int4`: asymmetric groups of `INT4_GROUP` input columns, each with its scale and zero
-  (`aten._weight_int4pack_mm_for_cpu`; a GGUF Q4_1 block is exactly such a group, so its codes
-  survive unchanged; see `quantize_linears`).
-Both kernels are fast only for bfloat16 activations (float32 ones take a slow generic path, ~20x
-slower on this project's machine), so a quantized layer takes its input in the model's dtype,
-multiplies in bfloat16, and hands back the model's dtype: the residual stream, the norms and
-attention stay float32.
+- `int8`: one symmetric scale per output row.
+- `int4`: asymmetric groups of `INT4_GROUP` input columns, each with its scale and zero (a GGUF
+  Q4_1 block is exactly such a group, so its codes survive unchanged; see `quantize_linears`).
+
+The kernels are tokenflow's own (models/quantized_mv.cpp: the weights in tiles of 16 output
+rows, 1.4-1.6x torch's packed int4 kernel and ~2x its int8 one at one row, where those are
+bound by their arithmetic), or, where that cannot be built, torch's
+(`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`), each layer in the layout of
+the kernel it was made for (`tiled`). Both take bfloat16 activations (torch's are ~20x slower
+for float32 ones), so a quantized layer takes its input in the model's dtype, multiplies in
+bfloat16, and hands back the model's dtype: the residual stream, the norms and attention stay
+float32.
 
 The packed kernels win where a step reads many weights for few rows (decode: ~2-3x faster than
 a bfloat16 matmul, ~3-6x than float32, at 1-4 rows); from ~8 rows on (16 for the wide LM head)
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenflow.replica.models import quantized_kernel
 from tokenflow.replica.models.prepacked import PrepackedLinear, can_prepack, prepack, prepacked_mm
 
 Quantization = Literal["none", "int8", "int4"]
@@ -52,16 +57,22 @@ PREPACKED_HEAD_ABOVE_ROWS = 1
 
 
 class QuantizedLinear(nn.Module):
-    """Owns one linear layer's quantized weight (int8 rows or packed int4 groups), its scales,
-    its optional float bias and, once `keep_dense` asked, the dense bfloat16 copy that larger
-    batches multiply by; `forward` is `F.linear` with the dequantized weight."""
+    """Owns one linear layer's quantized weight (int8 rows or int4 groups, in the layout of the
+    kernel that multiplies it: `tiled`), its scales, its optional float bias and, once
+    `keep_dense` asked, the dense bfloat16 copy that larger batches multiply by; `forward` is
+    `F.linear` with the dequantized weight."""
 
     def __init__(self, method: Quantization, in_features: int, out_features: int,
-                 weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+                 weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+                 tiled: bool = False) -> None:
         super().__init__()
         self.method, self.in_features, self.out_features = method, in_features, out_features
-        self.register_buffer("weight", weight)  # int8 [N, K] or packed int4 uint8 [N, K / 2]
-        # int8: [N]; int4: [K / group, N, 2] (scale, zero), bfloat16
+        self.tiled = tiled  # tokenflow's kernels' tiles (quantized_kernel.py), else torch's
+        # tiled: int8 [N / 16, K, 16], int4 uint8 [N / 16, K / group, 320] (codes, scales and
+        # zeros); torch's: int8 [N, K], int4 packed uint8 [N, K / 2]
+        self.register_buffer("weight", weight)
+        # tiled: int8 float32 [N]; int4 None (in the tiles). torch's: int8 [N]; int4
+        # [K / group, N, 2] (scale, zero); bfloat16
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
         self.register_buffer("dense", None)  # bfloat16 [N, K], see `keep_dense`
@@ -95,8 +106,12 @@ class QuantizedLinear(nn.Module):
         w = weight.float()
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(_COMPUTE)
         codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        layer = cls("int8", w.shape[1], w.shape[0], codes.contiguous(), scale,
-                    _float_bias(bias))
+        if _tiled(w):
+            layer = cls("int8", w.shape[1], w.shape[0], quantized_kernel.int8_tiles(codes),
+                        quantized_kernel.int8_scales(scale), _float_bias(bias), tiled=True)
+        else:
+            layer = cls("int8", w.shape[1], w.shape[0], codes.contiguous(), scale,
+                        _float_bias(bias))
         if dense_above_rows is not None:
             layer.keep_dense(dense_above_rows, codes.float() * scale.float()[:, None])
         return layer
@@ -126,14 +141,20 @@ class QuantizedLinear(nn.Module):
         w = low + code * scale. (The kernel's form is (code - 8) * scale + zero, both
         bfloat16.)"""
         rows, cols = codes.shape
-        # The packed layout takes rows in 16s: pad with zero rows, sliced off the output.
-        pad = -rows % _ROW_MULTIPLE
-        padded, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, low))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            padded.to(torch.int32).contiguous(), _INNER_K_TILES)
-        scale, zero = scale.to(_COMPUTE), (low + 8 * scale).to(_COMPUTE)
-        scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        layer = cls("int4", cols, rows, packed, scales, _float_bias(bias))
+        zero = low + 8 * scale
+        if _tiled(codes):
+            scale, zero = scale.to(_COMPUTE), zero.to(_COMPUTE)
+            tiles = quantized_kernel.int4_tiles(codes, scale, zero)
+            layer = cls("int4", cols, rows, tiles, None, _float_bias(bias), tiled=True)
+        else:
+            # torch's layout takes rows in 16s: pad with zero rows, sliced off the output.
+            pad = -rows % _ROW_MULTIPLE
+            padded, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, zero))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                padded.to(torch.int32).contiguous(), _INNER_K_TILES)
+            scale, zero = scale.to(_COMPUTE), zero.to(_COMPUTE)
+            scales = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+            layer = cls("int4", cols, rows, packed, scales, _float_bias(bias))  # [K/g, N, 2]
         if dense_above_rows is not None:
             groups = (codes.float().view(rows, -1, INT4_GROUP) - 8) * scale[:rows, :, None] \
                 + zero[:rows, :, None]
@@ -153,7 +174,11 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _packed(self, flat: torch.Tensor) -> torch.Tensor:
-        """bfloat16 [M, K] -> [M, N] through the packed kernel."""
+        """bfloat16 [M, K] -> [M, N] through the quantized kernel."""
+        if self.tiled:
+            if self.method == "int4":
+                return quantized_kernel.int4_mv(flat, self.weight, self.out_features)
+            return quantized_kernel.int8_mv(flat, self.weight, self.scales, self.out_features)
         out = packed_mm(flat, self.weight, self.scales, self.method == "int4")
         return out if out.shape[1] == self.out_features else out[:, :self.out_features]
 
@@ -166,9 +191,16 @@ class QuantizedLinear(nn.Module):
         return f"{self.method}, in_features={self.in_features}, out={self.out_features}"
 
 
+def _tiled(weight: torch.Tensor) -> bool:
+    """Whether a layer of this weight gets tokenflow's kernels' tiles (on the CPU, where they
+    build)."""
+    return weight.device.type == "cpu" and quantized_kernel.available()
+
+
 def packed_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, int4: bool
               ) -> torch.Tensor:
-    """bfloat16 x [M, K] times a packed int8 or int4 weight -> [M, N (padded for int4)]."""
+    """bfloat16 x [M, K] times torch's packed int8 or int4 weight -> [M, N (padded for
+    int4)]."""
     if int4:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales)
     return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
