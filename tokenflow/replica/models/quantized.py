@@ -50,10 +50,12 @@ _ROW_MULTIPLE = 16  # output rows of a packed int4 weight
 # crossovers on this project's machine: 8 for the layers, 16 for a 49k-row LM head).
 DENSE_ABOVE_ROWS = 8
 HEAD_DENSE_ABOVE_ROWS = 16
-# The same for a head whose dense copy is prepacked (`prepack_lm_head`): the int8 kernel only
-# for one row (1.27 against 1.34 ms for SmolLM2's [576 -> 49152] head; 2 rows: 1.70 against
-# 1.49 ms; 16 rows: 8.5 against 2.8 ms).
-PREPACKED_HEAD_ABOVE_ROWS = 1
+# The same for a head whose dense copy is prepacked (`prepack_lm_head`): the int8 kernel up to
+# 4 rows (tokenflow's, SmolLM2's [576 -> 49152] head, 2026-12-07: 1 row 0.49 against 1.04 ms,
+# 4 rows 1.03 against 1.40 ms, 8 rows 2.75 against 1.97 ms). With torch's int8 kernel (where
+# ours does not build) only one row pays: 1.27 against 1.34 ms, 2 rows 1.70 against 1.49 ms.
+PREPACKED_HEAD_ABOVE_ROWS = 4
+TORCH_PREPACKED_HEAD_ABOVE_ROWS = 1
 
 
 class QuantizedLinear(nn.Module):
@@ -258,7 +260,8 @@ def prepack_lm_head(model: nn.Module) -> nn.Module:
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantizedLinear):
         if head.dense is not None and can_prepack(head.dense):
-            head.prepack_dense(PREPACKED_HEAD_ABOVE_ROWS)
+            head.prepack_dense(PREPACKED_HEAD_ABOVE_ROWS if head.tiled
+                               else TORCH_PREPACKED_HEAD_ABOVE_ROWS)
     elif isinstance(head, nn.Linear):
         if head.bias is None and can_prepack(head.weight):
             model.lm_head = PrepackedLinear(head.weight.detach())

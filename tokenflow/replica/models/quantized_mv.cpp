@@ -37,7 +37,13 @@ constexpr int64_t kRows = 16;   // output rows of a tile: one vector
 constexpr int64_t kGroup = 32;  // input columns of an int4 group
 constexpr int64_t kCodeBytes = kGroup / 2 * kRows;                   // 256
 constexpr int64_t kGroupBytes = kCodeBytes + 2 * kRows * sizeof(uint16_t);  // + scales, zeros
-constexpr int64_t kMaxRows = 4;  // input rows one pass over a tile holds in registers
+// Input rows one pass over a tile holds in registers (32 vector registers with AVX-512, 16
+// without).
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRows = 8;
+#else
+constexpr int64_t kMaxRows = 4;
+#endif
 
 typedef float fvec __attribute__((vector_size(kRows * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(kRows * sizeof(int32_t))));
@@ -128,7 +134,7 @@ template <int M> constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
 template <int M>
 void int4_tile(const uint8_t *tile, int64_t groups, const uint32_t *xpairs, int64_t K,
                const float *xsum, uint16_t *out, int64_t N, int64_t valid) {
-  constexpr int C = M == 1 ? 8 : (M == 2 ? 4 : 2);
+  constexpr int C = M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
   const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
   fvec acc[M] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -249,7 +255,15 @@ inline void for_row_chunks(int64_t M, Tile &&tile) {
       case 1: tile.template operator()<1>(m0); break;
       case 2: tile.template operator()<2>(m0); break;
       case 3: tile.template operator()<3>(m0); break;
+      case 4: tile.template operator()<4>(m0); break;
+#if defined(__AVX512F__)
+      case 5: tile.template operator()<5>(m0); break;
+      case 6: tile.template operator()<6>(m0); break;
+      case 7: tile.template operator()<7>(m0); break;
+      default: tile.template operator()<8>(m0); break;
+#else
       default: tile.template operator()<4>(m0); break;
+#endif
     }
   }
 }
