@@ -4,7 +4,10 @@ every graph compiled at startup, none while serving."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import torch
 from torch._dynamo.utils import counters
@@ -85,3 +88,16 @@ def test_compiled_int4_step_stays_within_bfloat16_rounding_of_eager() -> None:
     rng.seed(1)
     for got, want in zip(logits(), eager, strict=True):
         torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_inductor_s_cache_is_tokenflow_s(tmp_path) -> None:
+    """A new process compiles into `$TOKENFLOW_CACHE_DIR/inductor` (importing dynamo sets
+    TORCHINDUCTOR_CACHE_DIR to torch's /tmp default first), so a restart finds its graphs
+    there."""
+    code = ("from tokenflow.replica.engine.llm import LLM; "
+            "LLM('tokenflow-tiny', compile=True, num_blocks=64).shutdown()")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TOKENFLOW_CACHE_DIR"] = str(tmp_path)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                   timeout=600)
+    assert any((tmp_path / "inductor").rglob("*.py"))

@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch._inductor.config
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tokenflow.local_cache import cache_dir
 from tokenflow.replica.attention.backends import AttentionMetadata
@@ -37,7 +38,10 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
                  ) -> float:
     """Compile `model`'s layers and run each graph once on dummy tokens (written to the first
     cache slots, which no request has yet). Returns the seconds it took."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # Importing dynamo sets the variable to torch's default (/tmp/torchinductor_<user>), so
+    # only a value other than that one is the user's own; inductor reads it at each lookup.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     # Dynamo counts graphs per code object, across models: room for several in one process
     # (tests; a replica restarted in place) at a few graphs each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
