@@ -136,6 +136,28 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* exp_nonpositive on a whole vector (the same steps, lane by lane): a tile's weights at once,
+ * where the scalar form ran once per score (GCC does not vectorize its loop). */
+typedef int32_t ivec __attribute__((vector_size(VW * sizeof(int32_t))));
+
+static inline vec exp_nonpositive_vec(vec x) {
+    const vec floor_at = (vec){0} - 87.0f;
+    const ivec low = (ivec)(x < floor_at);
+    x = (vec)(((ivec)x & ~low) | ((ivec)floor_at & low));
+    const vec y = x * 1.44269504f + 0.5f;
+    vec n = __builtin_convertvector(__builtin_convertvector(y, ivec), vec); /* toward 0 */
+    n -= (vec)((ivec)(y < n) & (ivec)((vec){0} + 1.0f)); /* floor: one less below zero */
+    const vec r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    vec p = (vec){0} + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (vec)((__builtin_convertvector(n, ivec) + 127) << 23);
+}
+
 /* Where a task is in its softmax: per query head the running maximum, the running sum of
  * e^(score - maximum) and the V rows summed with those weights. */
 struct online_softmax {
@@ -176,12 +198,11 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int64_t d = 0; d < dim; ++d) st->acc[h][d] *= alpha;
             st->top[h] = m;
         }
+        vec e = exp_nonpositive_vec(scores - m);
+        for (int64_t i = n; i < TILE; ++i) e[i] = 0.0f; /* lanes past the tile's tokens */
+        memcpy(p[j], &e, sizeof e);
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-            p[j][i] = exp_nonpositive(scores[i] - m);
-            sum += p[j][i];
-        }
+        for (int64_t i = 0; i < TILE; ++i) sum += e[i];
         st->total[h] += sum;
     }
     for (int64_t d = 0; d < whole; d += VW) {
