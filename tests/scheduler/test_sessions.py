@@ -342,3 +342,39 @@ SessionMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestSessionMachine = SessionMachine.TestCase
+
+
+def test_a_running_request_takes_the_blocks_a_waiting_turn_took_over() -> None:
+    """Hypothesis's case: turn r2 of a session runs while the next turn r3 waits behind it
+    holding the 4 blocks it took over from the session; r2 needs a fifth of the 8, and
+    preempted itself for it again and again while r3 kept its blocks. Now a waiting turn's
+    blocks give way before a running request is preempted."""
+    machine = SessionMachine()
+    machine.setup(budget=4, limit=2, num_blocks=8, block_size=2, caching=False)
+    machine.add(session="A", extension=[0], cut=None, close=False, max_tokens=1)
+    machine.add(session="A", extension=[0] * 7, cut=None, close=False, max_tokens=1)
+    machine.step()
+    machine.step()
+    machine.add(session="A", extension=[0], cut=None, close=False, max_tokens=1)
+    machine.step()
+    machine.add(session="A", extension=[0], cut=None, close=False, max_tokens=1)
+    assert machine.scheduler.kv.num_blocks_held("r3") == 4  # r3 waits with the session's KV
+    machine.teardown()  # every request finishes; nothing is held after
+
+
+def test_the_first_in_line_takes_the_blocks_a_waiting_turn_behind_it_holds() -> None:
+    """Hypothesis's case: turn r3, first in line with the session's 8 blocks, needs a ninth of
+    12, and turn r2 behind it holds the other 4: neither could start. Now r2's give way."""
+    machine = SessionMachine()
+    machine.setup(budget=6, limit=2, num_blocks=12, block_size=2, caching=False)
+    machine.add(session="A", extension=[0] * 7, cut=None, close=False, max_tokens=1)
+    machine.step()
+    machine.add(session="A", extension=[0] * 7, cut=None, close=False, max_tokens=2)
+    for _ in range(3):
+        machine.step()
+    machine.add(session="A", extension=[0], cut=None, close=False, max_tokens=1)
+    machine.step()
+    machine.add(session="A", extension=[0], cut=None, close=False, max_tokens=1)
+    assert machine.scheduler.kv.num_blocks_held("r2") == 4
+    assert machine.scheduler.kv.num_blocks_held("r3") == 8
+    machine.teardown()

@@ -452,9 +452,10 @@ class Scheduler:
 
     def _make_room(self, request: Request, num_new: int, plan: _StepPlan
                    ) -> list[KVCacheBlock] | None:
-        """Evict idle sessions, then preempt victims, until `request` gets its slots (returns
-        the new blocks) or is itself the victim (returns None)."""
-        while self.sessions.evict_oldest():
+        """Evict idle sessions, then free the blocks of waiting session turns, then preempt
+        victims, until `request` gets its slots (returns the new blocks) or is itself the
+        victim (returns None)."""
+        while self.sessions.evict_oldest() or self._release_waiting_turn():
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
@@ -466,6 +467,21 @@ class Scheduler:
             new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
+
+    def _release_waiting_turn(self, keep: Request | None = None) -> bool:
+        """Free the blocks a waiting session turn (not `keep`) took over from its session (it
+        computes them again when it runs), the last in line first; False if no waiting turn
+        holds any. Such blocks are a cache, as a parked session's are: a request that needed
+        them (running, or first in line) would otherwise wait for them forever."""
+        for request in reversed(list(self.waiting)):
+            if (request is not keep and request.status == RequestStatus.WAITING
+                    and request.sampling_params.session_id is not None
+                    and not request.kv_transfer_params
+                    and self.kv.num_blocks_held(request.request_id)):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                return True
+        return False
 
     def _victim_index(self) -> int:
         if self.policy == "priority":
@@ -550,7 +566,8 @@ class Scheduler:
             num_new = plan.budget
         while (self.kv.allocate_slots(request, num_new) if holds_blocks else
                self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)) is None:
-            if not self.sessions.evict_oldest():  # idle sessions give way to live requests
+            # Idle sessions, then other waiting turns' session KV, give way to live requests.
+            if not (self.sessions.evict_oldest() or self._release_waiting_turn(request)):
                 return _Admission.FAILED
         if not holds_blocks:
             self.kv.record_prefix_lookup(request.num_tokens, num_hit)

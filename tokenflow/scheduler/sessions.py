@@ -13,7 +13,8 @@ as a fresh request and opens the session.
 
 A session ends with a turn that sets `session_close`, a turn that is aborted or fails, after
 `session_idle_timeout_s` idle, or when a live request needs its blocks (idle sessions are a
-cache: they are evicted, longest idle first, before anyone is preempted). Parked sessions count
+cache: they are evicted, longest idle first, before anyone is preempted; so are the blocks a
+waiting turn took over, which it then computes again: `Scheduler._release_waiting_turn`). Parked sessions count
 against `max_num_active_seqs` (a waiting request waits for a slot they hold until they end) but
 are not work: a drain (PAUSED_NEW) does not wait for them, and expiry is checked by
 `schedule()` and by `has_unfinished_requests()`, which an idle engine loop polls. A continued
