@@ -54,7 +54,7 @@ def step_inputs(requests: int, context: int) -> tuple[AttentionMetadata, torch.T
     return meta, q, k, v
 
 
-def time_layer_us(kernel: cpu_kernel.PagedDecodeKernel, layer_caches: list[torch.Tensor],
+def time_layer_us(kernel: cpu_kernel.PagedAttentionKernel, layer_caches: list[torch.Tensor],
                   requests: int, context: int, rounds: int) -> float:
     meta, q, k, v = step_inputs(requests, context)
     out = torch.empty_like(q)

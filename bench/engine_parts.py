@@ -3,7 +3,7 @@ its Q4_1 GGUF file), side by side in one run through the whole engine (`LLM.gene
 
     float32       quantization none, eager, the torch backend's gather attention (the start)
     int4          + int4 weights (replica/models/quantized.py)
-    +kernel       + the paged decode kernel (attention/paged_decode.c, in place)
+    +kernel       + the paged decode kernel (attention/paged_attention.c, in place)
     +compile      + the compiled step (replica/worker/compile.py)
 
 For each: one request's decode (ms per token, after a 256-word prompt), 16 requests at once

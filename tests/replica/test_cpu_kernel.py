@@ -1,4 +1,4 @@
-"""The CPU's paged decode kernel (attention/paged_decode.c) against the torch backend's gather
+"""The CPU's paged decode kernel (attention/paged_attention.c) against the torch backend's gather
 path: decodes read in place through their block table rows, GQA groups, sliding windows,
 mixed with prompts; and what happens without a C compiler."""
 
@@ -46,7 +46,7 @@ def _step(seq_lens: list[int], query_lens: list[int], heads: int, kv_heads: int,
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernel.PagedDecodeKernel:
+def kernel() -> cpu_kernel.PagedAttentionKernel:
     loaded = cpu_kernel.load()
     assert loaded is not None, "the paged decode kernel did not build (is a C compiler there?)"
     return loaded
@@ -76,6 +76,57 @@ def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, sha
     out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     assert torch.equal(cache, expected_cache)  # the step's K/V written (and rounded) the same
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 40), (5, 5, 16)])
+@pytest.mark.parametrize("window", [None, 20, 77])
+@pytest.mark.parametrize("shape", ["prompts", "chunks", "mixed"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_equals_sdpa(kernel, heads, kv_heads, dim, window, shape,
+                                    cache_dtype) -> None:
+    """Prompts (one task and many: up to 48 query rows a task), chunks at offsets that are
+    no tile's (a prefix hit, a prompt's later chunk), and both beside decodes."""
+    if shape == "prompts":
+        seq_lens, query_lens = [300, 2, 17, 130], [300, 2, 17, 130]
+    elif shape == "chunks":
+        seq_lens, query_lens = [300, 129, 61], [133, 100, 60]
+    else:
+        seq_lens, query_lens = [250, 9, 200, 33, 3], [250, 1, 37, 1, 3]
+    cache, q, k, v, meta = _step(seq_lens, query_lens, heads, kv_heads, dim, window, seed=7)
+    cache = cache.to(cache_dtype)
+    expected_cache = cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, expected_cache, meta, dim**-0.5)
+    out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+    assert torch.equal(cache, expected_cache)
+
+
+def test_a_prompt_s_rows_do_not_depend_on_its_chunks(kernel) -> None:
+    """The kernel computes each query row alone: a prompt attended whole and in chunks of
+    any size above one (each over what the cache holds) gives bit-identical rows. (A chunk of
+    one token is a decode: the decode kernel's sums run in another order.)"""
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kv_heads, dim = 150, 9, 3, 64
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    blocks = -(-n // BLOCK_SIZE)
+    table = [list(range(blocks))]
+    attention = CpuAttentionBackend(kernel)
+
+    def run(cuts: list[int]) -> torch.Tensor:
+        cache = torch.zeros(2, blocks, BLOCK_SIZE, kv_heads, dim, dtype=torch.bfloat16)
+        rows = []
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            meta = AttentionMetadata.build(slot_mapping=list(range(lo, hi)), block_table=table,
+                                           query_start_loc=[0, hi - lo], seq_lens=[hi],
+                                           block_size=BLOCK_SIZE)
+            rows.append(attention.forward(q[lo:hi], k[lo:hi], v[lo:hi], cache, meta, 0.125))
+        return torch.cat(rows)
+
+    whole = run([])
+    assert torch.equal(run([37]), whole)
+    assert torch.equal(run([5, 64, 100, 148]), whole)
 
 
 def test_kernel_declines_groups_beyond_its_buffers(kernel) -> None:

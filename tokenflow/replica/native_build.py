@@ -1,4 +1,4 @@
-"""Builds the CPU kernels shipped as source (attention/paged_decode.c, models/quantized_mv.cpp)
+"""Builds the CPU kernels shipped as source (attention/paged_attention.c, models/quantized_mv.cpp)
 once per machine, into tokenflow's cache (`$TOKENFLOW_CACHE_DIR/kernels`).
 
 A library is named by the hash of its source, its flags and torch's version, so an edited

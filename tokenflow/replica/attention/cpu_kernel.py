@@ -1,5 +1,5 @@
-"""The CPU's paged decode attention kernel (paged_decode.c): built once per machine with the C
-compiler, cached, and called through ctypes.
+"""The CPU's paged attention kernels (paged_attention.c: decodes, and prompts or chunks): built
+once per machine with the C compiler, cached, and called through ctypes.
 
 The shared library is cached by replica/native_build.py (an edited kernel is rebuilt, a
 restart finds the built one). `make install` builds it (`python -m tokenflow.replica.attention.cpu_kernel`);
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # backends.py imports this module
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCE = Path(__file__).with_name("paged_attention.c")
 FLAGS = (*COMMON_FLAGS, "-std=c11")
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
@@ -38,19 +38,20 @@ def build() -> Path:
 
 
 @cache
-def load() -> PagedDecodeKernel | None:
+def load() -> PagedAttentionKernel | None:
     """The kernel of this process, built if needed; None where it cannot be built."""
     try:
-        return PagedDecodeKernel(ctypes.CDLL(str(build())))
+        return PagedAttentionKernel(ctypes.CDLL(str(build())))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("paged decode kernel unavailable (%s); attention gathers instead", detail)
         return None
 
 
-class PagedDecodeKernel:
-    """Owns the loaded library (a function per cache dtype: float32, bfloat16); `__call__`
-    attends a step's decodes into `out`."""
+class PagedAttentionKernel:
+    """Owns the loaded library (per cache dtype, float32 or bfloat16, a decode and a prefill
+    function); `__call__` attends a step's decodes into `out`, `prefill` its prompts and
+    chunks."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {}
@@ -62,6 +63,14 @@ class PagedDecodeKernel:
                            _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
                            _ptr]
             self._fns[dtype] = fn
+        self._prefill_fns = {}
+        for dtype, name in ((torch.float32, "paged_prefill_f32"),
+                            (torch.bfloat16, "paged_prefill_bf16")):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
+                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr]
+            self._prefill_fns[dtype] = fn
 
     def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor) -> bool:
@@ -90,6 +99,31 @@ class PagedDecodeKernel:
             cache + half, block_table.data_ptr(), block_table.stride(0),
             meta.decode_seq_lens.data_ptr(), token_idx.data_ptr(), token_idx.shape[0],
             q.shape[1], kv_heads, head_dim, block_size, meta.window or 0, scale, out.data_ptr())
+        return rc == 0
+
+    @staticmethod
+    def prefill_workspace_floats(meta: AttentionMetadata, kv_heads: int, head_dim: int) -> int:
+        """Floats of the workspace `prefill` needs for this step (an upper bound: each context
+        as float32, K and V, rounded up to 16 keys and V's rows to 16 floats)."""
+        padded_dim = -(-head_dim // 16) * 16
+        keys = sum(-(-span.seq_len // 16) * 16 for span in meta.prefills)
+        return keys * kv_heads * (head_dim + padded_dim)
+
+    def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, workspace: torch.Tensor, out: torch.Tensor) -> bool:
+        """Attend the step's prompts and chunks (`meta.prefill_reqs`) causally over their
+        contexts in kv_cache, whose slots already hold this step's K/V: out's rows of their
+        tokens are written. workspace: float32, at least `prefill_workspace_floats` long.
+        False: the shapes are beyond the kernel (nothing written)."""
+        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+        half = num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
+        cache = kv_cache.data_ptr()
+        table, reqs = meta.block_table, meta.prefill_reqs
+        rc = self._prefill_fns[kv_cache.dtype](
+            q.data_ptr(), q.stride(0), q.stride(1), cache, cache + half, table.data_ptr(),
+            table.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+            reqs.data_ptr(), reqs.shape[0], q.shape[1], kv_heads, head_dim, block_size,
+            meta.window or 0, scale, workspace.data_ptr(), workspace.numel(), out.data_ptr())
         return rc == 0
 
 

@@ -1,5 +1,7 @@
-/* Paged decode attention on the CPU, float32 queries over a float32 or bfloat16 cache: each
- * decoding request's one query attends over its context where it lies in the paged KV cache,
+/* Paged attention on the CPU, float32 queries over a float32 or bfloat16 cache: decodes
+ * (paged_decode_*) and prompts or chunks (paged_prefill_*, after the decodes below).
+ *
+ * Decodes: each decoding request's one query attends over its context where it lies in the paged KV cache,
  * through its block table row. No gather copy, no padding, no mask: keys are read in place,
  * once per KV head for all of its query heads.
  *
@@ -425,6 +427,306 @@ static inline __attribute__((always_inline)) int paged_decode(
             }
         }
         free(parts);
+    }
+    return 0;
+}
+
+/* ---- Prefill: the prompts and chunks of a step, causal, over the paged cache ----
+ *
+ * Each prompt or chunk's queries attend over its context as the cache holds it (this step's
+ * K/V written first), so a whole prompt, its chunks and a prefix hit compute every query row
+ * the same way: a row's result depends on the row alone, never on how the prompt was split.
+ *
+ * Prefill is bound by arithmetic, not memory: per query row and tile of TILE keys, TILE * D
+ * multiply-adds for the scores and as many for the V sum. So each (prompt, KV head) first
+ * copies its context out of the paged blocks as float32, K transposed to [tile][d][TILE]
+ * (a tile's scores for one row are then D vector multiply-adds with a broadcast query
+ * element, no horizontal sums) and V as [key][D rounded up to 16]. A task then takes
+ * PREFILL_ROWS query rows (positions x the query heads of one KV head) and walks its key
+ * tiles with an online softmax: scores for S_ROWS rows at a time in registers, the V sums
+ * for PV_ROWS rows at a time. Tiles past a row's position (or before its window) are
+ * masked lane by lane; a tile no row of the task sees is skipped. */
+
+/* Query rows of one task (the scores and V sums of S_ROWS and PV_ROWS rows divide it). */
+#define PREFILL_ROWS 48
+#define S_ROWS 16
+#define PV_ROWS 6
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Lanes of a where the comparison `take` holds, of b elsewhere (C has no vector `?:`). */
+static inline vec vec_select(ivec take, vec a, vec b) {
+    return (vec)(((ivec)a & take) | ((ivec)b & ~take));
+}
+
+/* Lane maximum (a shuffle tree) and lane sum of a vector. */
+static inline float vec_max(vec x) {
+#if VW == 16
+    vec y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = vec_select(x > y, x, y);
+#endif
+    vec z = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3
+#if VW == 16
+                                    , 12, 13, 14, 15, 8, 9, 10, 11
+#endif
+    );
+    x = vec_select(x > z, x, z);
+    float m = x[0];
+    for (int i = 1; i < 4; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static inline float vec_sum(vec x) {
+#if VW == 16
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3
+#if VW == 16
+                                 , 12, 13, 14, 15, 8, 9, 10, 11
+#endif
+    );
+    return (x[0] + x[2]) + (x[1] + x[3]);
+}
+
+/* Floats of the float32 copy of one (prompt, KV head) context of `seq` keys. */
+static inline int64_t context_floats(int64_t seq, int64_t head_dim) {
+    return round_up(seq, TILE) * (head_dim + round_up(head_dim, 16));
+}
+
+/* Scores of S_ROWS rows of qs (pre-scaled, transposed: [dim][PREFILL_ROWS], so a row's
+ * element is a constant offset from one pointer) against one tile kt [dim][TILE]. */
+static inline __attribute__((always_inline)) void tile_scores(
+    const float *qs, int64_t dim, const float *kt, float *scores) {
+    vec a[S_ROWS];
+    for (int r = 0; r < S_ROWS; ++r) a[r] = (vec){0};
+    for (int64_t d = 0; d < dim; ++d) {
+        const vec kd = load(kt + d * TILE);
+        for (int r = 0; r < S_ROWS; ++r) a[r] += qs[d * PREFILL_ROWS + r] * kd;
+    }
+    for (int r = 0; r < S_ROWS; ++r) store(scores + r * TILE, a[r]);
+}
+
+/* acc[r] += sum_i p[r][i] * vt[i] for PV_ROWS rows over n keys, NV vectors of each V row
+ * (from element d0 on; row stride dp). */
+static inline __attribute__((always_inline)) void tile_values(
+    const int NV, const float *p, const float *vt, int64_t n, int64_t dp, int64_t d0,
+    float *acc) {
+    vec a[PV_ROWS][4];
+    for (int r = 0; r < PV_ROWS; ++r)
+        for (int c = 0; c < NV; ++c) a[r][c] = load(acc + r * dp + d0 + c * VW);
+    for (int64_t i = 0; i < n; ++i) {
+        vec vv[4];
+        for (int c = 0; c < NV; ++c) vv[c] = load(vt + i * dp + d0 + c * VW);
+        for (int r = 0; r < PV_ROWS; ++r) {
+            const float w = p[r * TILE + i];
+            for (int c = 0; c < NV; ++c) a[r][c] += w * vv[c];
+        }
+    }
+    for (int r = 0; r < PV_ROWS; ++r)
+        for (int c = 0; c < NV; ++c) store(acc + r * dp + d0 + c * VW, a[r][c]);
+}
+
+/* Copy key tile `tile` of one (prompt, KV head g) out of the paged cache as float32: K
+ * transposed into kt [dim][TILE], V rows into vt [TILE][dp] (zeros past seq and dim). */
+static inline __attribute__((always_inline)) void copy_context_tile(
+    const void *k, const void *v, const int32_t *blocks, int64_t block_size, int64_t row,
+    int64_t g, int64_t dim, int64_t dp, int64_t seq, int64_t tile, float *kt, float *vt,
+    const int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < TILE; ++i) {
+        const int64_t pos = tile * TILE + i;
+        float *vrow = vt + i * dp;
+        if (pos >= seq) {
+            for (int64_t d = 0; d < dim; ++d) kt[d * TILE + i] = 0.0f;
+            for (int64_t d = 0; d < dp; ++d) vrow[d] = 0.0f;
+            continue;
+        }
+        const int64_t at = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size)
+                           * row + g * dim;
+        const char *krow = (const char *)k + at * elem, *vsrc = (const char *)v + at * elem;
+        for (int64_t d = 0; d < dim; ++d) {
+            kt[d * TILE + i] = kv_at(krow, d, bf16);
+            vrow[d] = kv_at(vsrc, d, bf16);
+        }
+        for (int64_t d = dim; d < dp; ++d) vrow[d] = 0.0f;
+    }
+}
+
+static inline __attribute__((always_inline)) int paged_prefill(
+    const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
+    const int32_t *table, int64_t table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, const int64_t *reqs, int64_t num_reqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    float *workspace, int64_t workspace_floats, float *out, const int bf16);
+
+/* out[t, h, :] for every token t of the requests reqs[0..num_reqs) (each a prompt or chunk:
+ * its query_len tokens are the last of its seq_len), causal over its context in the cache
+ * (k, v as in paged_decode: [blocks, block_size, KVH, D], this step's K/V already written),
+ * keys limited to `window` (0: all). workspace: at least the sum over the requests of
+ * num_kv_heads * context_floats(seq_len, head_dim) floats (paged_prefill_floats). Returns 0,
+ * or -1 when the shapes are beyond the kernel (nothing written). */
+int64_t paged_prefill_floats(const int32_t *seq_lens, const int64_t *reqs, int64_t num_reqs,
+                             int64_t num_kv_heads, int64_t head_dim) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_reqs; ++s)
+        total += num_kv_heads * context_floats(seq_lens[reqs[s]], head_dim);
+    return total;
+}
+
+int paged_prefill_f32(const float *q, int64_t q_tok, int64_t q_head, const float *k,
+                      const float *v, const int32_t *table, int64_t table_stride,
+                      const int32_t *query_start_loc, const int32_t *seq_lens,
+                      const int64_t *reqs, int64_t num_reqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t window, float scale, float *workspace, int64_t workspace_floats,
+                      float *out) {
+    return paged_prefill(q, q_tok, q_head, k, v, table, table_stride, query_start_loc, seq_lens,
+                         reqs, num_reqs, num_heads, num_kv_heads, head_dim, block_size, window,
+                         scale, workspace, workspace_floats, out, 0);
+}
+
+int paged_prefill_bf16(const float *q, int64_t q_tok, int64_t q_head, const uint16_t *k,
+                       const uint16_t *v, const int32_t *table, int64_t table_stride,
+                       const int32_t *query_start_loc, const int32_t *seq_lens,
+                       const int64_t *reqs, int64_t num_reqs, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                       int64_t window, float scale, float *workspace, int64_t workspace_floats,
+                       float *out) {
+    return paged_prefill(q, q_tok, q_head, k, v, table, table_stride, query_start_loc, seq_lens,
+                         reqs, num_reqs, num_heads, num_kv_heads, head_dim, block_size, window,
+                         scale, workspace, workspace_floats, out, 1);
+}
+
+/* Most prompts or chunks one prefill call takes (their offsets live on the stack). */
+#define MAX_PREFILLS 256
+
+static inline __attribute__((always_inline)) int paged_prefill(
+    const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
+    const int32_t *table, int64_t table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, const int64_t *reqs, int64_t num_reqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale,
+    float *workspace, int64_t workspace_floats, float *out, const int bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > PREFILL_ROWS || group * num_kv_heads != num_heads
+        || num_reqs > MAX_PREFILLS
+        || paged_prefill_floats(seq_lens, reqs, num_reqs, num_kv_heads, head_dim)
+               > workspace_floats)
+        return -1;
+    const int64_t dim = head_dim, dp = round_up(head_dim, 16), row = num_kv_heads * head_dim;
+    const int64_t positions = PREFILL_ROWS / group; /* query positions of a task */
+    /* Per request: where its contexts' copies start, its first key tile and its tasks. */
+    int64_t base[MAX_PREFILLS + 1], first_tile[MAX_PREFILLS], tasks_before[MAX_PREFILLS + 1];
+    int64_t tiles_before[MAX_PREFILLS + 1];
+    base[0] = tasks_before[0] = tiles_before[0] = 0;
+    for (int64_t s = 0; s < num_reqs; ++s) {
+        const int64_t r = reqs[s], seq = seq_lens[r];
+        const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
+        const int64_t lo = window > 0 ? seq - qlen - window + 1 : 0; /* first key seen */
+        first_tile[s] = (lo > 0 ? lo : 0) / TILE;
+        base[s + 1] = base[s] + num_kv_heads * context_floats(seq, dim);
+        tasks_before[s + 1] = tasks_before[s] + num_kv_heads * ((qlen + positions - 1) / positions);
+        tiles_before[s + 1] = tiles_before[s]
+                              + num_kv_heads * (round_up(seq, TILE) / TILE - first_tile[s]);
+    }
+    const int64_t tiles = tiles_before[num_reqs], tasks = tasks_before[num_reqs];
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            int64_t s = 0;
+            while (tiles_before[s + 1] <= t) ++s;
+            const int64_t r = reqs[s], seq = seq_lens[r];
+            const int64_t per_head = round_up(seq, TILE) / TILE - first_tile[s];
+            const int64_t g = (t - tiles_before[s]) / per_head;
+            const int64_t tile = first_tile[s] + (t - tiles_before[s]) % per_head;
+            float *kt = workspace + base[s] + g * context_floats(seq, dim);
+            float *vt = kt + round_up(seq, TILE) * dim;
+            copy_context_tile(k, v, table + r * table_stride, block_size, row, g, dim, dp, seq,
+                              tile, kt + tile * dim * TILE, vt + tile * TILE * dp, bf16);
+        }
+        /* The tasks with most keys (the prompts' last positions) first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = tasks - 1; task >= 0; --task) {
+            int64_t s = 0;
+            while (tasks_before[s + 1] <= task) ++s;
+            const int64_t r = reqs[s], seq = seq_lens[r];
+            const int64_t t0 = query_start_loc[r], qlen = query_start_loc[r + 1] - t0;
+            const int64_t blocks_per_head = (qlen + positions - 1) / positions;
+            const int64_t g = (task - tasks_before[s]) / blocks_per_head;
+            const int64_t i0 = ((task - tasks_before[s]) % blocks_per_head) * positions;
+            const int64_t nq = qlen - i0 < positions ? qlen - i0 : positions;
+            const int64_t rows = nq * group, pos0 = seq - qlen + i0, last = pos0 + nq - 1;
+            const float *kt_all = workspace + base[s] + g * context_floats(seq, dim);
+            const float *vt_all = kt_all + round_up(seq, TILE) * dim;
+            float qs[PREFILL_ROWS * dim], acc[PREFILL_ROWS * dp];
+            float scores[PREFILL_ROWS * TILE], top[PREFILL_ROWS], total[PREFILL_ROWS];
+            for (int64_t x = 0; x < PREFILL_ROWS; ++x) { /* rows past `rows`: zeros, unused */
+                const float *qr = q + (t0 + i0 + x / group) * q_tok + (g * group + x % group) * q_head;
+                for (int64_t d = 0; d < dim; ++d)
+                    qs[d * PREFILL_ROWS + x] = x < rows ? qr[d] * scale : 0;
+                for (int64_t d = 0; d < dp; ++d) acc[x * dp + d] = 0.0f;
+                top[x] = -INFINITY;
+                total[x] = 0.0f;
+            }
+            const int64_t lo = window > 0 ? pos0 - window + 1 : 0;
+            const int64_t rows_s = round_up(rows, S_ROWS), rows_pv = round_up(rows, PV_ROWS);
+            ivec lane;
+            for (int i = 0; i < VW; ++i) lane[i] = i;
+            for (int64_t k0 = (lo > 0 ? lo : 0) / TILE * TILE; k0 <= last; k0 += TILE) {
+                const float *kt = kt_all + k0 * dim, *vt = vt_all + k0 * dp;
+                for (int64_t x = 0; x < rows_s; x += S_ROWS)
+                    tile_scores(qs + x, dim, kt, scores + x * TILE);
+                /* Whole tile visible to every row: no key after the first row, none before
+                 * the last row's window. */
+                const int whole = k0 + TILE - 1 <= pos0 && (window <= 0 || k0 > last - window);
+                for (int64_t x = 0; x < rows; ++x) {
+                    vec sc = load(scores + x * TILE);
+                    ivec hidden = (ivec){0};
+                    if (!whole) {
+                        const int64_t p = pos0 + x / group;
+                        const ivec key = lane + (int32_t)k0;
+                        hidden = (ivec)(key > (int32_t)p);
+                        if (window > 0) hidden |= (ivec)(key <= (int32_t)(p - window));
+                        sc = vec_select(hidden, (vec){0} - INFINITY, sc);
+                    }
+                    const float m = vec_max(sc);
+                    if (m == -INFINITY) { /* no key of this tile is visible to the row */
+                        store(scores + x * TILE, (vec){0});
+                        continue;
+                    }
+                    if (m > top[x]) { /* a new maximum: rescale what the earlier tiles summed */
+                        const float alpha = exp_nonpositive(top[x] - m);
+                        total[x] *= alpha;
+                        for (int64_t d = 0; d < dp; d += VW)
+                            store(acc + x * dp + d, load(acc + x * dp + d) * alpha);
+                        top[x] = m;
+                    }
+                    vec e = exp_nonpositive_vec(sc - top[x]);
+                    e = (vec)((ivec)e & ~hidden);
+                    total[x] += vec_sum(e);
+                    store(scores + x * TILE, e);
+                }
+                for (int64_t x = rows; x < rows_pv; ++x) store(scores + x * TILE, (vec){0});
+                const int64_t n = last + 1 - k0 < TILE ? last + 1 - k0 : TILE;
+                for (int64_t x = 0; x < rows_pv; x += PV_ROWS)
+                    for (int64_t d0 = 0; d0 < dp; d0 += 4 * VW) {
+                        const int64_t left = (dp - d0) / VW;
+                        float *a = acc + x * dp;
+                        const float *p = scores + x * TILE;
+                        switch (left >= 4 ? 4 : left) {
+                        case 4: tile_values(4, p, vt, n, dp, d0, a); break;
+                        case 3: tile_values(3, p, vt, n, dp, d0, a); break;
+                        case 2: tile_values(2, p, vt, n, dp, d0, a); break;
+                        default: tile_values(1, p, vt, n, dp, d0, a); break;
+                        }
+                    }
+            }
+            for (int64_t x = 0; x < rows; ++x) {
+                const int64_t i = x / group, j = x % group;
+                float *o = out + ((t0 + i0 + i) * num_heads + g * group + j) * dim;
+                for (int64_t d = 0; d < dim; ++d) o[d] = acc[x * dp + d] / total[x];
+            }
+        }
     }
     return 0;
 }
