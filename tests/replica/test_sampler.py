@@ -12,6 +12,7 @@ from tokenflow.replica.worker.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_top_k_top_p,
+    draw_from_cdf,
     mix_seed,
 )
 from tokenflow.scheduler.sampling_params import SamplingParams
@@ -106,6 +107,40 @@ def test_empirical_distribution(params: SamplingParams, expected: list[float]) -
     logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().repeat(2000, 1)
     freqs = _frequencies(_sample(logits, [params] * 2000, seed=123), 4)
     assert freqs == pytest.approx(expected, abs=0.04)
+
+
+def test_the_cdf_maps_each_uniform_to_its_token() -> None:
+    """Uniform over 1,000 tokens (four blocks of the two-level CDF, the last one partial):
+    u in [k / 1000, (k + 1) / 1000) is token k, across block edges too."""
+    probs = torch.full((1, 1000), 1e-3)
+    for k in (0, 1, 255, 256, 511, 767, 768, 998, 999):
+        for u in (k / 1000 + 1e-7, (k + 1) / 1000 - 1e-7):
+            assert draw_from_cdf(probs, torch.tensor([u], dtype=torch.float64)).item() == k
+
+
+def test_the_cdf_never_draws_a_token_of_probability_zero() -> None:
+    """Zeros inside, before and after the mass (top-k / top-p leave such rows), at the edges
+    of u's range."""
+    probs = torch.zeros(3, 49152)
+    probs[0, 300] = 1.0
+    probs[1, [0, 49151]] = 0.5
+    probs[2, 256:512] = 1 / 256
+    us = torch.tensor([0.0, 0.5, 1 - 2**-53], dtype=torch.float64)
+    for u in us:
+        tokens = draw_from_cdf(probs, u.repeat(3)).tolist()
+        assert tokens[0] == 300 and tokens[1] in (0, 49151) and 256 <= tokens[2] < 512
+    assert draw_from_cdf(probs[1:2], us[:1]).item() == 0
+    assert draw_from_cdf(probs[1:2], us[2:]).item() == 49151
+
+
+def test_the_cdf_is_exact_to_a_millionth_over_a_large_vocabulary() -> None:
+    """After 49,151 tokens holding 98%, the last one's 2% starts at u = 0.98: the two levels
+    put the boundary there within a millionth."""
+    probs = torch.full((1, 49152), 0.98 / 49151)
+    probs[0, -1] = 0.02
+    below, above = (torch.tensor([x], dtype=torch.float64) for x in (0.98 - 1e-6, 0.98 + 1e-6))
+    assert draw_from_cdf(probs, below).item() == 49150
+    assert draw_from_cdf(probs, above).item() == 49151
 
 
 def test_seeded_rows_follow_the_distribution() -> None:
