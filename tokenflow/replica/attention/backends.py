@@ -338,7 +338,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     prompts and chunks: no gather copy, no mask tensor; a prompt's rows are computed the same
     whether it comes whole or in chunks). Shapes beyond the kernels go through the torch
     backend's SDPA. Owns the kernel and the prefill kernel's float32 workspace (each
-    context's K and V copied out of their blocks: 2.0-2.6x SDPA at 290 tokens)."""
+    context's K and V copied out of their blocks: ~2x SDPA at 290 tokens, bench/README)."""
 
     def __init__(self, kernel: PagedAttentionKernel) -> None:
         super().__init__()

@@ -14,7 +14,7 @@ import logging
 import subprocess
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,7 +44,8 @@ def load() -> PagedAttentionKernel | None:
         return PagedAttentionKernel(ctypes.CDLL(str(build())))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("paged decode kernel unavailable (%s); attention gathers instead", detail)
+        log.warning("paged attention kernels unavailable (%s); attention runs through torch's "
+                    "SDPA instead", detail)
         return None
 
 
@@ -54,23 +55,12 @@ class PagedAttentionKernel:
     chunks."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
-        for dtype, name in ((torch.float32, "paged_decode_f32"),
-                            (torch.bfloat16, "paged_decode_bf16")):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr,
-                           _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-                           _ptr]
-            self._fns[dtype] = fn
-        self._prefill_fns = {}
-        for dtype, name in ((torch.float32, "paged_prefill_f32"),
-                            (torch.bfloat16, "paged_prefill_bf16")):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64,
-                           _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _ptr]
-            self._prefill_fns[dtype] = fn
+        self._fns = _bind(lib, "paged_decode", [
+            _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+            _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr])
+        self._prefill_fns = _bind(lib, "paged_prefill", [
+            _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+            _i64, _i64, _f32, _ptr, _i64, _ptr])
 
     def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor) -> bool:
@@ -90,13 +80,12 @@ class PagedAttentionKernel:
         even k/v)."""
         slots, block_table, token_idx = (meta.slot_mapping, meta.decode_block_table,
                                          meta.decode_token_idx)
-        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-        half = num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()  # K's
-        cache = kv_cache.data_ptr()
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        k_cache, v_cache = _halves(kv_cache)
         rc = self._fns[kv_cache.dtype](
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-            slots.data_ptr(), slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), cache,
-            cache + half, block_table.data_ptr(), block_table.stride(0),
+            slots.data_ptr(), slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), k_cache,
+            v_cache, block_table.data_ptr(), block_table.stride(0),
             meta.decode_seq_lens.data_ptr(), token_idx.data_ptr(), token_idx.shape[0],
             q.shape[1], kv_heads, head_dim, block_size, meta.window or 0, scale, out.data_ptr())
         return rc == 0
@@ -115,16 +104,30 @@ class PagedAttentionKernel:
         contexts in kv_cache, whose slots already hold this step's K/V: out's rows of their
         tokens are written. workspace: float32, at least `prefill_workspace_floats` long.
         False: the shapes are beyond the kernel (nothing written)."""
-        _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-        half = num_blocks * block_size * kv_heads * head_dim * kv_cache.element_size()
-        cache = kv_cache.data_ptr()
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        k_cache, v_cache = _halves(kv_cache)
         table, reqs = meta.block_table, meta.prefill_reqs
         rc = self._prefill_fns[kv_cache.dtype](
-            q.data_ptr(), q.stride(0), q.stride(1), cache, cache + half, table.data_ptr(),
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, table.data_ptr(),
             table.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
             reqs.data_ptr(), reqs.shape[0], q.shape[1], kv_heads, head_dim, block_size,
             meta.window or 0, scale, workspace.data_ptr(), workspace.numel(), out.data_ptr())
         return rc == 0
+
+
+def _bind(lib: ctypes.CDLL, stem: str, argtypes: list) -> dict[torch.dtype, Any]:
+    """The library's `{stem}_f32` and `{stem}_bf16` (one per cache dtype), typed."""
+    fns = {}
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        fn = getattr(lib, f"{stem}_{suffix}")
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        fns[dtype] = fn
+    return fns
+
+
+def _halves(kv_cache: torch.Tensor) -> tuple[int, int]:
+    """Addresses of a contiguous [2, ...] cache's K and V halves."""
+    return kv_cache.data_ptr(), kv_cache[1].data_ptr()
 
 
 if __name__ == "__main__":
