@@ -62,6 +62,12 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
     # reach the freezing pass, and a graph recompiled later must freeze too.
     if device.type == "cpu":
         torch._inductor.config.freezing = True
+        # The graph's caller in C++ (inductor's `cpp_wrapper`) rather than Python: a one-token
+        # step calls ~10 kernels and ops a layer, each with Python's allocations and size
+        # asserts around it; in C++ the step took 7.4 -> 6.5 ms, 16 decodes' ~36 -> ~34 ms
+        # (bench/README, "The graph's caller in C++"). Its cost: C++ to build, ~60 -> ~115 s
+        # for a start with inductor's cache empty, ~61 -> ~68 s with it warm.
+        torch._inductor.config.cpp_wrapper = True
     compiled = torch.compile(model.run_layers, fullgraph=True)
     model.use_compiled(compiled)
     dtype = next(model.parameters()).dtype  # the model's, as the runner's (not the cache's)
