@@ -176,6 +176,21 @@ def test_a_new_engine_process_reports_its_state_before_any_step() -> None:
         engine.shutdown()
 
 
+def test_the_engine_process_gets_a_short_openmp_spin_unless_one_is_set(
+        process_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libgomp reads GOMP_SPINCOUNT when torch loads it, so the engine process must be
+    started with it: 10,000 where the serving process has none, the user's value where it
+    has one; the serving process's own environment is left as it was."""
+    assert psutil.Process(process_engine.engine_pid).environ()["GOMP_SPINCOUNT"] == "10000"
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
+    engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
+    try:
+        assert psutil.Process(engine.engine_pid).environ()["GOMP_SPINCOUNT"] == "123"
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_leaves_no_engine_process() -> None:
     engine = AsyncEngine(CONFIG.model_copy(update={"engine_loop": "process"}))
     pid = engine.engine_pid

@@ -17,7 +17,7 @@ import multiprocessing
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -82,6 +82,12 @@ Deliver = Callable[[list[RequestOutput]], None]
 Fail = Callable[[BaseException], None]
 # How long an idle loop waits for a command before it looks again.
 _IDLE_WAIT_S = 1.0
+# The engine process's environment where the serving process's has no value: torch's OpenMP
+# threads (libgomp) spin at most 10,000 times, not 300,000, for their next parallel region
+# before they sleep. A long spin burns the cores the serving side needs between steps (to
+# stream each token) and the step then waits for a preempted thread: served one request's
+# step took 7.8 -> 7.1 ms, its TPOT 8.7-8.9 -> 8.0-8.1 ms (bench/README, "OpenMP's spin").
+ENGINE_PROCESS_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 class EngineDeadError(RuntimeError):
@@ -240,7 +246,8 @@ class EngineProcess:
         self._process = context.Process(target=_engine_process_main,
                                         args=(config, child, node_ip()),
                                         name="tokenflow-engine", daemon=True)
-        self._process.start()
+        with _environment_defaults(ENGINE_PROCESS_ENV):  # a spawned child inherits os.environ
+            self._process.start()
         child.close()
         self.tokenizer: Tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         try:
@@ -318,6 +325,18 @@ class EngineProcess:
         logger.error("engine process failed: %s", self.error)
         self._fail(self.error if isinstance(self.error, EngineDeadError)
                    else EngineDeadError(str(self.error)))
+
+
+@contextlib.contextmanager
+def _environment_defaults(defaults: dict[str, str]) -> Iterator[None]:
+    """Set the variables of `defaults` this process has no value for, while inside."""
+    added = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _pickle_by_position(cls: type) -> None:
