@@ -86,7 +86,8 @@ _IDLE_WAIT_S = 1.0
 # threads (libgomp) spin at most 10,000 times, not 300,000, for their next parallel region
 # before they sleep. A long spin burns the cores the serving side needs between steps (to
 # stream each token) and the step then waits for a preempted thread: served one request's
-# step took 7.8 -> 7.1 ms, its TPOT 8.7-8.9 -> 8.0-8.1 ms (bench/README, "The graph's caller in C++, and OpenMP's spin").
+# step took 7.8 -> 7.1 ms, its TPOT 8.7-8.9 -> 8.0-8.1 ms (bench/README, "The graph's caller
+# in C++, and OpenMP's spin").
 ENGINE_PROCESS_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 

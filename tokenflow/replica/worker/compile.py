@@ -65,7 +65,8 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
         # The graph's caller in C++ (inductor's `cpp_wrapper`) rather than Python: a one-token
         # step calls ~10 kernels and ops a layer, each with Python's allocations and size
         # asserts around it; in C++ the step took 7.4 -> 6.5 ms, 16 decodes' ~36 -> ~34 ms
-        # (bench/README, "The graph's caller in C++, and OpenMP's spin"). Its cost: C++ to build, ~60 -> ~115 s
+        # (bench/README, "The graph's caller in C++, and OpenMP's spin"). Its cost: C++ to
+        # build, ~60 -> ~115 s
         # for a start with inductor's cache empty, ~61 -> ~68 s with it warm.
         torch._inductor.config.cpp_wrapper = True
     compiled = torch.compile(model.run_layers, fullgraph=True)
