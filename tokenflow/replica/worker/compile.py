@@ -66,8 +66,7 @@ def compile_step(model: CausalLM, kv_caches: list[torch.Tensor], max_num_tokens:
         # step calls ~10 kernels and ops a layer, each with Python's allocations and size
         # asserts around it; in C++ the step took 7.4 -> 6.5 ms, 16 decodes' ~36 -> ~34 ms
         # (bench/README, "The graph's caller in C++, and OpenMP's spin"). Its cost: C++ to
-        # build, ~60 -> ~115 s
-        # for a start with inductor's cache empty, ~61 -> ~68 s with it warm.
+        # build, a start ~60 -> ~115 s with inductor's cache empty, ~61 -> ~68 s with it warm.
         torch._inductor.config.cpp_wrapper = True
     compiled = torch.compile(model.run_layers, fullgraph=True)
     model.use_compiled(compiled)
