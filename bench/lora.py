@@ -20,6 +20,8 @@ synchronous timer around it) and prints its share of the run.
 
     python bench/lora.py                                # SmolLM2-135M (int4 GGUF)
     python bench/lora.py --model tokenflow-tiny --out /tmp/lora.json
+    python bench/lora.py --rows 4 --rounds 2 --compile  # as `make serve` runs it
+    python bench/lora.py --rows 4 --torch-delta         # the delta without the C++ kernel
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run_row(args: argparse.Namespace, adapters: list[str], max_loras: int, workd
     lora = ({"max_loras": max_loras, "max_lora_rank": args.rank,
              "lora_modules": {n: str(workdir / n) for n in adapters}} if max_loras else None)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-              max_num_batched_tokens=args.batched_tokens, lora=lora)
+              max_num_batched_tokens=args.batched_tokens, lora=lora, compile=args.compile)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 2000) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests)]
@@ -137,8 +139,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the rows this many times, interleaved; each keeps its best")
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--torch-delta", action="store_true",
+                        help="the delta through torch's ops, not the C++ kernel (to compare)")
+    parser.add_argument("--compile", action="store_true",
+                        help="every row with the compiled step (configs/local.yaml's setting)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.torch_delta:
+        from tokenflow.replica.models import lora_kernel
+
+        lora_kernel.available = lambda: False
 
     from tokenflow.replica.loading.resolve import resolve_model
 

@@ -15,6 +15,7 @@ import torch
 from tests.checkpoints import write_checkpoint
 from tests.gguf_checkpoints import GGUF_NAME, source_model, write_gguf
 from tests.lora_adapters import load_with_adapter, write_adapter
+from tests.needs import need
 from tests.replica.test_engine import _load_hf, hf_greedy, make_prompts, with_tokenizer
 from tokenflow.replica.engine.llm import LLM
 from tokenflow.scheduler import SamplingParams
@@ -104,6 +105,28 @@ def test_mixed_batch_is_token_exact(setup, scenario, max_loras):
         assert totals.num_preemptions > 0
     llm.engine.check_idle()
     llm.shutdown()
+
+
+def test_compiled_step_serves_adapters_token_exactly_without_recompiling(setup):
+    """`compile: true` with adapters: each projection's delta is an opaque op in the graph,
+    so a batch of three adapters and the base in 2 slots (chunked prefill, evictions and
+    reloads) gives transformers + peft's tokens, and no step's mix or slot load compiles a
+    graph after startup (a delta traced into the graph would retrace at every new mix)."""
+    from torch._dynamo.utils import counters
+
+    path, _, adapters, prompts, refs = setup
+    llm = make_llm(path, adapters, 2, compile=True, **SCENARIOS["chunked_prefill"])
+    compiled_at_start = counters["stats"]["unique_graphs"]
+    ps, params, keys = mixed(prompts)
+    try:
+        outs = llm.generate(ps, params, use_tqdm=False)
+        evictions = llm.totals.lora_evictions
+    finally:
+        llm.shutdown()
+    for out, key in zip(outs, keys, strict=True):
+        assert out.outputs[0].token_ids == refs[key], key
+    assert evictions > 0
+    assert counters["stats"]["unique_graphs"] == compiled_at_start
 
 
 def test_merged_weights_give_the_same_tokens(setup, tmp_path):
@@ -232,13 +255,18 @@ async def test_async_engine_in_its_own_process(setup):
 
 
 @pytest.mark.parametrize("order", ["grouped", "interleaved"])
-def test_segmented_and_grouped_deltas_agree(order):
-    """The two forms of a step's delta (`models/lora.py`): per-slot token runs (a large step)
-    and padded per-slot groups (a small one) give the same rows, and the right ones: each
-    token's own adapter's delta (a plain loop over tokens), whether the requests come grouped
-    by adapter (as the runner orders them) or interleaved (a run per request)."""
+@pytest.mark.parametrize("form", ["kernel", "segments", "groups"])
+def test_each_form_of_the_delta_gives_each_token_its_own_adapter(order, form):
+    """The three forms of a step's delta (`models/lora.py`): the C++ kernel, per-slot token
+    runs and padded per-slot groups each give every token its own adapter's delta and no
+    other (a plain loop over tokens), at ranks under the slot's and with a part an adapter
+    leaves alone, whether the requests come grouped by adapter (as the runner orders them)
+    or interleaved (a run per request)."""
+    from tokenflow.replica.models import lora_kernel
     from tokenflow.replica.models.lora import LoRALinear, LoRAStep
 
+    if form == "kernel":
+        need(lora_kernel.available(), "a C++ compiler that builds the LoRA kernel")
     torch.manual_seed(0)
     step = LoRAStep(max_rank=4, dtype=torch.float32)
     base = torch.nn.Linear(16, 12, bias=False)
@@ -251,13 +279,10 @@ def test_segmented_and_grouped_deltas_agree(order):
     request_slots = np.array(sorted(slots) if order == "grouped" else slots)
     query_lens = np.array([1, 3, 2, 1, 4, 1, 2, 3])
     x = torch.randn(int(query_lens.sum()), 16)
-    cpu = torch.device("cpu")
-    step.set(request_slots, query_lens, cpu, segment_min_tokens=1)
-    assert step.segments and step.rows is None
-    segmented = lora(x)
-    step.set(request_slots, query_lens, cpu)
-    assert not step.segments and step.rows is not None
-    grouped = lora(x)
+    step.set(request_slots, query_lens, torch.device("cpu"), form=form)
+    assert (step.token_slots is not None, bool(step.segments), step.rows is not None) == (
+        form == "kernel", form == "segments", form == "groups")
+    got = lora(x)
     expected = base(x)
     for token, slot in enumerate(np.repeat(request_slots, query_lens)):
         parts = weights[slot] if slot >= 0 else [None, None]
@@ -265,6 +290,5 @@ def test_segmented_and_grouped_deltas_agree(order):
             if part is not None:
                 a, b = part
                 expected[token, first:end] += 0.5 * (x[token] @ a.T) @ b.T
-    torch.testing.assert_close(segmented, expected)
-    torch.testing.assert_close(grouped, expected)
-    assert not torch.equal(grouped, base(x))
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, base(x))

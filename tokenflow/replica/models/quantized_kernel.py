@@ -9,18 +9,13 @@ process that finds it missing builds it on first use. No C++ compiler, or a fail
 
 from __future__ import annotations
 
-import logging
-import subprocess
 from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import cpp_extension
 
-from tokenflow.replica.native_build import COMMON_FLAGS, build_library
-
-log = logging.getLogger(__name__)
+from tokenflow.replica.native_build import build_torch_ops, load_torch_ops
 
 SOURCE = Path(__file__).with_name("quantized_mv.cpp")
 ROWS = 16  # output rows of a tile
@@ -28,29 +23,15 @@ GROUP = 32  # input columns of an int4 group
 GROUP_BYTES = GROUP // 2 * ROWS + 2 * ROWS * 2  # codes, then 16 scales and 16 zeros (bfloat16)
 
 
-def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"
-    return ((*COMMON_FLAGS, "-std=gnu++20", abi, *includes),
-            (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"))
-
-
 def build() -> Path:
     """Compile the kernels into the cache (once per machine, source and torch version)."""
-    flags, libs = _flags()
-    return build_library(SOURCE, flags, libs, "CXX", ("c++", "g++"))
+    return build_torch_ops(SOURCE)
 
 
 @cache
 def available() -> bool:
     """Whether this process has the ops (built and loaded on the first call)."""
-    try:
-        torch.ops.load_library(str(build()))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("quantized CPU kernels unavailable (%s); torch's packed kernels instead",
-                    detail)
+    if not load_torch_ops(SOURCE, "torch's packed kernels"):
         return False
     _register_fakes()
     return True

@@ -148,10 +148,7 @@ class Worker:
                                   seed=self.config.model.seed, drafter=drafter,
                                   keep_sampled=self.config.scheduler.async_scheduling,
                                   lora=self.lora)
-        if self.config.model.compile and self.lora is not None:
-            # The step's LoRA masks are not graph inputs: compiled, each step would recompile.
-            logger.warning("model.compile is off with LoRA adapters (lora.max_loras > 0)")
-        elif self.config.model.compile:
+        if self.config.model.compile:
             compile_step(self.model, kv_caches, self.config.scheduler.max_num_batched_tokens)
         if self.connector is not None:
             self.connector.register_kv_caches(kv_caches, self.layer_range)
