@@ -41,6 +41,10 @@ class ServeProcess:
 
     @property
     def output(self) -> str:
+        if self.proc.poll() is not None:
+            # Its last lines may still be in the pipe when `wait()` returns: read them (EOF
+            # comes when every process holding its stderr has gone; bounded, in case one lives).
+            self._reader.join(timeout=10)
         return "\n".join(self.lines)
 
     def worker_stderr(self) -> str:

@@ -72,7 +72,7 @@ class LoRAStep:
     def kernel_runs_on(self, device: torch.device) -> bool:
         """Whether the C++ delta serves this stage (CPU, float32 weights, a compiler)."""
         return (device.type == "cpu" and self.dtype == torch.float32
-                and lora_kernel.available())
+                and self.max_rank <= lora_kernel.MAX_RANK and lora_kernel.available())
 
     def set(self, request_slots: np.ndarray, query_lens: np.ndarray, device: torch.device,
             form: str | None = None) -> None:

@@ -30,7 +30,7 @@
 
 namespace {
 
-constexpr int64_t kMaxShrunk = 1024;  // P * R a token's shrink holds: checked below
+constexpr int64_t kMaxRank = 1024;  // a part's rank a token's shrink holds (lora_kernel.py)
 constexpr int64_t kLanes = 16;        // output columns a vector of the expand accumulates
 
 // y[0, n) += sum_j shrunk[j] * b[j * ldb + c], j < r: 16 columns at a time held in a vector
@@ -76,7 +76,7 @@ void lora_delta(const at::Tensor &x, const at::Tensor &y, const at::Tensor &a,
                   token_slots.scalar_type() == at::kInt && token_slots.numel() == T,
               "lora_delta: int32 ranks [S, P] and token_slots [T]");
   TORCH_CHECK(static_cast<int64_t>(part_sizes.size()) == P, "lora_delta: P part sizes");
-  TORCH_CHECK(width <= kMaxShrunk, "lora_delta: parts x rank over ", kMaxShrunk);
+  TORCH_CHECK(max_rank <= kMaxRank, "lora_delta: rank over ", kMaxRank);
   std::vector<int64_t> first(P + 1, 0);
   for (int64_t p = 0; p < P; ++p) first[p + 1] = first[p] + part_sizes[p];
   TORCH_CHECK(first[P] == out, "lora_delta: the part sizes sum to y's width");
@@ -90,7 +90,7 @@ void lora_delta(const at::Tensor &x, const at::Tensor &y, const at::Tensor &a,
     if (s < 0 || s >= S) continue;
     const float *xt = xp + t * in;
     float *yt = yp + t * ystride;
-    float shrunk[kMaxShrunk];
+    float shrunk[kMaxRank];  // one part's at a time
     for (int64_t p = 0; p < P; ++p) {
       const int64_t r = rp[s * P + p], row0 = s * width + p * max_rank;
       for (int64_t j = 0; j < r; ++j) {

@@ -17,6 +17,7 @@ import torch
 from tokenflow.replica.native_build import build_torch_ops, load_torch_ops
 
 SOURCE = Path(__file__).with_name("lora_delta.cpp")
+MAX_RANK = 1024  # the kernel's kMaxRank: a larger `max_lora_rank` takes torch's forms
 
 
 def build() -> Path:
