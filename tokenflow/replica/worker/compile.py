@@ -4,7 +4,9 @@ What is compiled is `CausalLM.run_layers`, everything between the embedding and 
 the norms, rope, the residual adds, the activation and the dtype casts around the quantized
 matmuls fuse into a few C++ loops per layer, and the per-op Python dispatch (~450 ops a step)
 goes. Attention stays an opaque op (`tokenflow::attention`): the paged cache and the step's
-metadata never enter the graph, so a new step needs no recompile.
+metadata never enter the graph, so a new step needs no recompile. With LoRA adapters each
+projection's delta is an opaque op too (`tokenflow::lora_add`, models/lora.py), for the same
+reason: the slot weights and the step's mix of adapters stay outside the graph.
 
 The graphs: one for a single token (dynamo specializes size 1), then dynamic shapes over the
 ranges the quantized layers switch kernels at (2-8 rows through the packed kernels, 9 and more
