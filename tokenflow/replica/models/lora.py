@@ -17,9 +17,10 @@ bfloat16) torch's ops do it, in two forms. A small step (decode: one token a req
 gathers its adapter tokens into one padded group per slot, `[n, L, in]` (n: slots up to the
 highest in use, L: the most tokens one slot has), and runs two batched matmuls, shrink
 `[n, L, in] @ [n, in, P * R]` and expand `[n, L, P * R] @ [n, P * R, out]`, adding the rows
-back with `index_add_` (padding rows are zeroed between the two). A large step (a prefill chunk) takes each slot's tokens through its
-own slot's A and B as two matmuls on views: the runner orders a step's requests by adapter, so
-a slot's tokens are one contiguous run (no gather, no scatter). `SEGMENT_MIN_TOKENS` decides
+back with `index_add_` (padding rows are zeroed between the two). A large step (a prefill
+chunk) takes each slot's tokens through its own slot's A and B as two matmuls on views: the
+runner orders a step's requests by adapter, so a slot's tokens are one contiguous run (no
+gather, no scatter). `SEGMENT_MIN_TOKENS` decides
 which form a step takes. The group indices are built once a step (`LoRAStep.set`), not per
 layer; base-model tokens take no part, and a step with no adapter token skips it all. The base
 layer may be a `QuantizedLinear`: the delta is float, added on top.

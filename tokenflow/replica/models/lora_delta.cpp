@@ -24,7 +24,6 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <vector>
 

@@ -1,7 +1,7 @@
 """The CPU's multi-LoRA delta (lora_delta.cpp): built once per machine against torch's C++
 headers (replica/native_build.py caches it), loaded as the torch op `tokenflow::lora_delta`.
 
-`make install` builds it (`python -m tokenflow.replica.models.lora_kernel`, ~5 s); a process
+`make install` builds it (`python -m tokenflow.replica.models.lora_kernel`, ~9 s); a process
 that finds it missing builds it on first use. No C++ compiler, or a failed build:
 `available()` is False and `models/lora.py` computes the delta with torch's matmuls instead.
 """
