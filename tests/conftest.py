@@ -30,13 +30,13 @@ cache_tensor_name_maps()  # transformers' GGUF loads, the reference of many test
 # the default serving mode (Serve reads its switches when first imported, in this process
 # and in every process of the cluster), so the serving tests run in the mode users get.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-from tokenflow.cluster.serving_mode import switches  # noqa: E402
+from tokenflow.cluster.serving_mode import body_forwarding, switches  # noqa: E402
 from tokenflow.config import AppConfig  # noqa: E402
 from tokenflow.net import free_port  # noqa: E402
 from tokenflow.ops.cluster_env import apply_cluster_env, release_cluster_env  # noqa: E402
 
 DEFAULT_SERVING_MODE = AppConfig().serving_mode
-os.environ.update(switches(DEFAULT_SERVING_MODE))
+os.environ.update({**switches(DEFAULT_SERVING_MODE), **body_forwarding(DEFAULT_SERVING_MODE)})
 
 
 @dataclass(frozen=True)

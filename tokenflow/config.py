@@ -510,9 +510,8 @@ class AppConfig(_Frozen):
 
     @property
     def router_reads_body(self) -> bool:
-        """Whether the request router wants the request's body from HAProxy: to route on the
-        prompt (required), or on the LoRA adapter it names (without the body, adapter
-        requests are balanced on load alone)."""
+        """Whether the request router reads the request's body (HAProxy sends it in every
+        `haproxy` app): to route on the prompt, or on the LoRA adapter it names."""
         return self.deployment.router_reads_prompt or self.engine.lora.max_loras > 0
 
     @model_validator(mode="after")

@@ -62,8 +62,9 @@ def test_the_kv_routed_preset_routes_by_kv_events_over_an_offload_tier() -> None
 ])
 def test_the_router_reads_the_body_to_route_on_the_prompt_or_the_adapter(
         data: dict[str, Any], reads: bool) -> None:
-    """`tokenflow serve` asks HAProxy to forward request bodies to the ingress request
-    router (ops/launcher.py) exactly when it routes on what they say."""
+    """HAProxy forwards every request's body to the ingress request router
+    (`serving_mode.body_forwarding`); the router parses it exactly when it routes on what it
+    says (`ReplicaRouter(reads_body=...)`)."""
     config = AppConfig.model_validate(data)
     assert config.router_reads_body is reads
     assert config.deployment.router_reads_prompt is (reads and "lora" not in data.get(

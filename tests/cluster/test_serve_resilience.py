@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -156,6 +159,16 @@ def test_a_dead_replica_loses_no_request_that_has_no_answer_yet(two_replicas: Ap
     outcome = result["r"]
     assert isinstance(outcome, httpx.Response) and outcome.status_code == 200, outcome
     assert outcome.json()["usage"]["completion_tokens"] == 2000
+    _wait_until_whole(two_replicas, replicas=2)
+
+    # The same with the body a while after the headers, as a client on a busy machine sends
+    # it (httpx writes the two apart): HAProxy may send again only a request it holds whole.
+    status, answer = _post_in_two_writes(two_replicas, "/v1/completions", body,
+                                         kill=lambda: ray.kill(_busy_replica(two_replicas)[0],
+                                                               no_restart=True))
+    assert status == 200, answer
+    assert json.loads(answer)["usage"]["completion_tokens"] == 2000
+    _wait_until_whole(two_replicas, replicas=2)
 
     # A stream past its first byte: what it got is all it gets, and it never ends as if whole
     # (HAProxy closes the connection mid-body).
@@ -170,6 +183,31 @@ def test_a_dead_replica_loses_no_request_that_has_no_answer_yet(two_replicas: Ap
     assert "data: [DONE]" not in received
     assert 0 < sum(line.startswith("data: {") for line in received) < 2000
     _wait_until_whole(two_replicas, replicas=2)  # for the tests after this one
+
+
+def _post_in_two_writes(app: App, path: str, body: dict[str, Any],
+                        kill: Callable[[], None]) -> tuple[int, str]:
+    """POST `body`: the headers, half a second later the body, then `kill()` once the request
+    runs; the status and body of the answer (status 0: the connection closed without one)."""
+    host, port = urlsplit(app.base_url).hostname, urlsplit(app.base_url).port
+    connection = http.client.HTTPConnection(host, port, timeout=300)
+    payload = json.dumps(body).encode()
+    try:
+        connection.putrequest("POST", urlsplit(app.base_url).path + path)
+        for name, value in {"Content-Type": "application/json",
+                            "Content-Length": str(len(payload)), **auth(app)}.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        time.sleep(0.5)
+        connection.send(payload)
+        kill()
+        try:
+            response = connection.getresponse()
+        except (http.client.RemoteDisconnected, ConnectionError) as exc:
+            return 0, repr(exc)
+        return response.status, response.read().decode(errors="replace")
+    finally:
+        connection.close()
 
 
 def _wait_until_whole(app: App, replicas: int) -> None:

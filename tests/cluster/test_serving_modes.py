@@ -33,7 +33,7 @@ import yaml
 from tests.cluster.conftest import free_port
 from tests.cluster.serve_process import ServeProcess
 from tests.lora_adapters import write_tiny_adapter
-from tokenflow.cluster.serving_mode import check_cluster_env, switches
+from tokenflow.cluster.serving_mode import FORWARD_BODY, check_cluster_env, switches
 from tokenflow.config import AppConfig, ConfigError, EngineConfig, ServingMode, load_app_config
 from tokenflow.ops.cluster_env import cluster_env, release_cluster_env
 from tokenflow.replica.engine.llm import LLM
@@ -115,6 +115,11 @@ def test_a_cluster_without_the_modes_switches_is_refused(monkeypatch: pytest.Mon
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):
         check_cluster_env(ServingMode.HAPROXY)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    monkeypatch.setenv(FORWARD_BODY, "0")  # the retries need HAProxy to hold each request
+    with pytest.raises(ValueError, match=f"{FORWARD_BODY}=1"):
+        check_cluster_env(ServingMode.HAPROXY)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
     with pytest.raises(ValueError, match="RAY_SERVE_USE_GRPC_BY_DEFAULT=0"):
         check_cluster_env(ServingMode.PROXY)

@@ -155,8 +155,9 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def _serving_env(mode: ServingMode) -> dict[str, str]:
-    """What every pod must have for `mode`: Serve's tuning defaults and the mode's switches."""
-    return {**TUNING, **switches(mode)}
+    """What every pod must have for `mode`: Serve's tuning defaults and the mode's switches,
+    HAProxy's body forwarding among them."""
+    return {**TUNING, **switches(mode), **body_forwarding(mode)}
 
 
 def test_dashboard_env_is_set_only_when_given() -> None:
@@ -189,18 +190,20 @@ def test_ingress_routers_per_node_reach_every_pod() -> None:
 
 
 @pytest.mark.parametrize("app", [
+    {},
     {"deployment": {"request_router": "prefix_aware"}},
     {"deployment": {"request_router": "kv_aware"}},
     # power of two, but requests for LoRA adapters go where the adapter is held
     {"engine": {"lora": {"max_loras": 2}}},
-], ids=["prefix_aware", "kv_aware", "lora"])
+], ids=["power_of_two", "prefix_aware", "kv_aware", "lora"])
 @pytest.mark.parametrize("mode", list(ServingMode))
-def test_a_router_that_reads_the_request_gets_its_body_from_haproxy(
+def test_haproxy_holds_every_request_whole_and_gives_the_router_its_body(
         mode: ServingMode, app: dict[str, Any]) -> None:
+    """In the `haproxy` mode HAProxy waits for each request's body, whatever the router (it
+    may send again only a request it holds whole), and the router gets it."""
     values = {"tokenflow": {"serving_mode": mode.value, **app}}
-    assert AppConfig.model_validate(values["tokenflow"]).router_reads_body
-    expected = {**_serving_env(mode), **body_forwarding(mode, True)}
-    assert (FORWARD_BODY in expected) == (mode is ServingMode.HAPROXY)
+    expected = _serving_env(mode)
+    assert (expected.get(FORWARD_BODY) == "1") == (mode is ServingMode.HAPROXY)
     for template in _pod_templates(_service(render(values))):
         assert _env(template["spec"]["containers"][0]) == expected
 

@@ -95,7 +95,7 @@ from types import TracebackType
 from typing import Any
 
 from tests.multinode import network
-from tokenflow.cluster.serving_mode import switches
+from tokenflow.cluster.serving_mode import body_forwarding, switches
 from tokenflow.config import AppConfig
 from tokenflow.ops.cluster_env import cluster_env
 
@@ -253,9 +253,10 @@ class NamespaceCluster:
 
     def env(self) -> dict[str, str]:
         """The environment of every node and driver: clean of RAY_*, token auth on, Serve's
-        switches for the default serving mode."""
+        switches (HAProxy's body forwarding among them) for the default serving mode."""
         assert self.run_dir is not None, "the cluster is not started"
-        return _clean_env() | switches(AppConfig().serving_mode) | {
+        mode = AppConfig().serving_mode
+        return _clean_env() | switches(mode) | body_forwarding(mode) | {
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(self.run_dir / "auth_token"),
             "RAY_USAGE_STATS_ENABLED": "0",

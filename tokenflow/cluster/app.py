@@ -114,8 +114,7 @@ def bind_app(config: AppConfig) -> serve.Application:
     request router that picks its replica); when disaggregated, the decode LLMServer is bound
     to its prefill deployment."""
     mode = config.serving_mode
-    # A router that reads the prompt needs it from HAProxy.
-    check_cluster_env(mode, config.deployment.router_reads_prompt)
+    check_cluster_env(mode)
     engine_args = engine_for(config.engine, config.deployment).model_dump(mode="json")
     prefill = None
     if config.prefill is not None:
@@ -143,7 +142,8 @@ def bind_app(config: AppConfig) -> serve.Application:
         router = serve.deployment(ReplicaRouter, name="ReplicaRouter", **ROUTER_OPTIONS)
         # Serve's direct-streaming hook (Ray 2.60, internal): HAProxy asks the router for
         # each request's replica and sends the request straight to that replica's port.
-        app = app._with_ingress_request_router(router.bind(app, model.name))
+        app = app._with_ingress_request_router(
+            router.bind(app, model.name, reads_body=config.router_reads_body))
     return app
 
 

@@ -88,12 +88,17 @@ class ReplicaRouter:
     """Owns the choice of LLMServer replica for HAProxy (`POST /internal/route`): asks the
     deployment's Serve request router and answers with that replica's HTTP endpoint."""
 
-    def __init__(self, server: DeploymentHandle, base_model: str = "") -> None:
+    def __init__(self, server: DeploymentHandle, base_model: str = "",
+                 reads_body: bool = True) -> None:
         """`base_model`: the base model's served name; any other `model` a request body
-        names is a LoRA adapter, routed to a replica that holds it (`adapter_routing`)."""
+        names is a LoRA adapter, routed to a replica that holds it (`adapter_routing`).
+        `reads_body`: whether the deployment's router uses the request (the prompt, the
+        adapter); HAProxy sends the body either way, and a router balancing on load alone
+        leaves it unparsed."""
         self._server = server
         self._server._init()  # the router must be running before the first route call
         self._base_model = base_model
+        self._reads_body = reads_body
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="tokenflow ingress request router")
@@ -109,11 +114,12 @@ class ReplicaRouter:
         return app
 
     async def route(self, body: bytes) -> dict[str, Any]:
-        """The replica for one request. HAProxy sends the client's body only with
-        RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1; then the request router sees the
-        parsed request as its argument (a prefix-aware router needs the prompt; a request
-        for a LoRA adapter goes where the adapter is held), else it balances on load alone."""
-        args = _routing_args(body)
+        """The replica for one request. HAProxy sends the client's body (with
+        RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1, which `tokenflow serve` sets); where
+        the router reads it, it sees the parsed request as its argument (a prefix-aware
+        router needs the prompt; a request for a LoRA adapter goes where the adapter is
+        held), else it balances on load alone."""
+        args = _routing_args(body) if self._reads_body else ()
         server = self._server
         if args and (adapter := adapter_of(args[0], self._base_model)):
             server = server.options(multiplexed_model_id=adapter)

@@ -88,27 +88,33 @@ def switches(mode: ServingMode) -> dict[str, str]:
     return {name: _SWITCHES[mode].get(name, "0") for name in _ALL_SWITCHES}
 
 
-# HAProxy sends the request body to the ingress request router only when asked (a router that
-# routes on the prompt needs it), in a buffer this big per connection: a longer body arrives
-# truncated and the router balances on load alone. Ray's default, 8 MiB, would let a few
-# hundred connections take gigabytes.
+# With body forwarding, HAProxy waits for a request's whole body (`wait-for-body`) before it
+# asks the ingress request router, and sends the router the body. Every `haproxy` app has it,
+# whatever its router, for the first reason: HAProxy sends a request again after its replica
+# died only if it held the whole request before it began sending it on (else it answers 500,
+# or closes the client's connection without a word when the replica's connection was a
+# reused one), and a client's headers and body often arrive apart (httpx writes them
+# separately; on a busy machine ms apart). A router that routes on the prompt or the adapter
+# needs the body too. The buffer, per connection, bounds both: a longer body is not held
+# whole (not sent again; the router balances it on load alone). Ray's default, 8 MiB, would
+# let a few hundred connections take gigabytes; its plain buffer, 16 KiB, holds no long prompt.
 FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 _BUFSIZE, _ROUTER_BUFSIZE = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", str(256 * 1024)
 
 
-def body_forwarding(mode: ServingMode, forward_body: bool) -> dict[str, str]:
-    """The switches that send the request body to the ingress request router (the `haproxy`
-    mode, when `forward_body`), the buffer's size a default."""
-    if mode is not ServingMode.HAPROXY or not forward_body:
+def body_forwarding(mode: ServingMode) -> dict[str, str]:
+    """The switches that make HAProxy hold each request's body and send it to the ingress
+    request router (the `haproxy` mode), the buffer's size a default."""
+    if mode is not ServingMode.HAPROXY:
         return {}
     return {FORWARD_BODY: "1", _BUFSIZE: os.environ.get(_BUFSIZE, _ROUTER_BUFSIZE)}
 
 
-def check_cluster_env(mode: ServingMode, forward_body: bool = False) -> None:
+def check_cluster_env(mode: ServingMode) -> None:
     """Raise if this process's environment (a driver's, or the Ray task that builds an app for
-    `serve deploy`, which inherits its node's) lacks or contradicts `mode`'s switches (and,
-    with `forward_body`, HAProxy's body forwarding)."""
-    wanted = {**switches(mode), **body_forwarding(mode, forward_body)}
+    `serve deploy`, which inherits its node's) lacks or contradicts `mode`'s switches (HAProxy's
+    body forwarding among them)."""
+    wanted = {**switches(mode), **body_forwarding(mode)}
     wanted.pop(_BUFSIZE, None)  # a size, not a switch
     wrong = [f"{name}={value}" for name, value in wanted.items()
              if os.environ.get(name, "0") != value]

@@ -18,9 +18,9 @@ from tokenflow.net import claim_port_block, free_port
 _FILES = "RAY_SERVE_HAPROXY_SERVER_STATE_BASE"
 
 
-def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
-    """The environment a new Ray cluster needs for `mode` (with `forward_body`, for a request
-    router that reads the request: in the `haproxy` mode HAProxy must send it the body).
+def cluster_env(mode: ServingMode) -> dict[str, str]:
+    """The environment a new Ray cluster needs for `mode` (`serving_mode`'s switches, tuning
+    and, in the `haproxy` mode, body forwarding).
 
     For HAProxy this also gives the cluster its own HAProxy files and admin ports: Ray's
     defaults (/tmp/haproxy-serve, ports 8404 and 9101) are machine-wide, so two clusters on
@@ -51,7 +51,7 @@ def cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]
         env.update({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(ports.start),
                     # Serve allocates from range(min, max): max is not handed out.
                     "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(ports.stop)})
-    return {**env, **body_forwarding(mode, forward_body)}
+    return {**env, **body_forwarding(mode)}
 
 
 def release_cluster_env(env: dict[str, str]) -> None:
@@ -71,9 +71,9 @@ def release_cluster_env(env: dict[str, str]) -> None:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def apply_cluster_env(mode: ServingMode, forward_body: bool = False) -> dict[str, str]:
-    """Put `cluster_env(mode, forward_body)` into this process's environment (before
-    `ray.init` starts a cluster, whose processes inherit it); returns what was set."""
-    env = cluster_env(mode, forward_body)
+def apply_cluster_env(mode: ServingMode) -> dict[str, str]:
+    """Put `cluster_env(mode)` into this process's environment (before `ray.init` starts a
+    cluster, whose processes inherit it); returns what was set."""
+    env = cluster_env(mode)
     os.environ.update(env)
     return env

@@ -85,8 +85,7 @@ def _port_answers(host: str, port: int) -> bool:
         return False
 
 
-def _start_ray(observe: ObserveOptions, mode: ServingMode, forward_body: bool
-               ) -> dict[str, str] | None:
+def _start_ray(observe: ObserveOptions, mode: ServingMode) -> dict[str, str] | None:
     """Join RAY_ADDRESS if set (None), else start a new local cluster set up for `mode`: the
     environment it was set up with (`apply_cluster_env`), to release when it is gone."""
     import ray
@@ -97,7 +96,7 @@ def _start_ray(observe: ObserveOptions, mode: ServingMode, forward_body: bool
         return None
     observe.export_env()  # read by the dashboard process that ray.init starts
     # Serve's switches, read by every process of the new cluster.
-    cluster = apply_cluster_env(mode, forward_body)
+    cluster = apply_cluster_env(mode)
     # "local": a new cluster of our own, even if Ray's temp dir names a running one.
     context = ray.init(address="local", log_to_driver=False, **observe.ray_init_kwargs())
     for line in describe(observe, context.dashboard_url):
@@ -273,7 +272,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if not joining:
             _check_port_free(config.host, config.port)
             observe.check_ports_free()  # ValueError naming the flag to change
-        cluster = _start_ray(observe, config.serving_mode, config.router_reads_body)
+        cluster = _start_ray(observe, config.serving_mode)
         _refuse_to_replace(cluster is not None)
     except (ServeError, ValueError) as exc:
         _say(f"error: {exc}")

@@ -145,10 +145,8 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
   value: "0"
 - name: RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
   value: {{ .Values.ingressRoutersPerNode | default 1 | quote }}
-{{- $router := (.Values.tokenflow.deployment | default dict).request_router | default "power_of_two" }}
-{{- $maxLoras := (((.Values.tokenflow.engine | default dict).lora | default dict).max_loras | default 0) }}
-{{- /* The ingress request router reads the body: to route on the prompt, or on the LoRA adapter it names. */}}
-{{- if and (eq $mode "haproxy") (or (eq $router "prefix_aware") (eq $router "kv_aware") (gt (int $maxLoras) 0)) }}
+{{- /* HAProxy holds each request whole before sending it on (so that it may send it again when its replica dies), and the ingress request router gets the body (to route on the prompt or the adapter). */}}
+{{- if eq $mode "haproxy" }}
 - name: RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY
   value: "1"
 - name: RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
