@@ -113,7 +113,8 @@ def test_a_killed_stage_is_rebuilt_and_then_a_second_death_replaces_the_replica(
     assert len(rebuilt) == 2 and not {a._actor_id for a in stages} & {a._actor_id
                                                                       for a in rebuilt}
     # Another within the minute, beyond the one rebuild a minute it allows (something keeps
-    # killing it): the request in flight fails with a 503 to retry (the replica's fault)...
+    # killing it): the request in flight fails with a 503 to retry (the replica's fault; with
+    # another replica running, HAProxy would have sent it there: test_serve_resilience)...
     outcome = _during_a_long_request(pp_app, lambda: ray.kill(rebuilt[0], no_restart=True))
     assert isinstance(outcome, openai.APIStatusError), outcome
     assert outcome.status_code == 503 and outcome.response.headers["retry-after"]

@@ -262,3 +262,47 @@ def test_a_dead_engine_process_is_restarted_and_its_streams_go_on(two_replicas: 
     after = ray.get(actor.record_routing_stats.remote(), timeout=30)  # the same replica
     assert after["engine_restarts"] == before["engine_restarts"] + 1
     assert after["engine_pid"] != before["engine_pid"]
+
+
+def test_a_replica_that_cannot_serve_hands_its_unanswered_requests_to_another(
+        two_replicas: App) -> None:
+    """The engine process dies again within RESTART_WINDOW_S of its restart: the replica can
+    serve no more and ends its process. A request it holds that has had no byte of its answer
+    (not streamed) waits for that instead of failing, and HAProxy sends it to the other
+    replica: the client sees one slow, whole answer (greedy: the uninterrupted run's text)."""
+    if DEFAULT_SERVING_MODE is not ServingMode.HAPROXY:
+        pytest.skip("behind HAProxy only; the proxy_ingress modes resume (test_resume)")
+    client = openai.OpenAI(base_url=two_replicas.base_url + "/v1", api_key=API_KEY,
+                           max_retries=0, timeout=300)
+    args = {"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "temperature": 0.0,
+            "extra_body": {"ignore_eos": True}}
+    uninterrupted = client.completions.create(**args).choices[0].text
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            result["r"] = client.completions.create(**args)
+        except openai.OpenAIError as exc:
+            result["r"] = exc
+
+    request = threading.Thread(target=send)
+    request.start()
+    actor, before = _busy_replica(two_replicas)
+    os.kill(before["engine_pid"], signal.SIGKILL)  # restarted, and the request goes on
+    deadline = time.monotonic() + 120
+    while True:
+        stats = ray.get(actor.record_routing_stats.remote(), timeout=30)
+        if stats["engine_restarts"] > before["engine_restarts"] and stats["engine_pid"]:
+            break
+        assert time.monotonic() < deadline, "the engine process was not restarted"
+        time.sleep(0.05)
+    assert stats["requests"] == 1 and request.is_alive()  # still at it, on the same replica
+    os.kill(stats["engine_pid"], signal.SIGKILL)  # again, at once: the replica gives up
+    request.join(timeout=300)
+    outcome = result["r"]
+    assert not isinstance(outcome, openai.OpenAIError), outcome
+    assert outcome.usage.completion_tokens == 2000
+    assert outcome.choices[0].text == uninterrupted
+    with pytest.raises(ray.exceptions.RayActorError):  # the replica ended its process
+        ray.get(actor.record_routing_stats.remote(), timeout=30)
+    _wait_until_whole(two_replicas, replicas=2)

@@ -137,7 +137,8 @@ def bind_app(config: AppConfig) -> serve.Application:
 
     server = serve.deployment(IngressLLMServer, name="LLMServer", **server_options(config))
     app = server.bind(engine_args, *http_args, stream_interval_s=config.stream_interval_s,
-                      prefill=prefill, max_queued_requests=max_queued)
+                      prefill=prefill, max_queued_requests=max_queued,
+                      behind_haproxy=mode is ServingMode.HAPROXY)
     if mode is ServingMode.HAPROXY and config.deployment.request_router != "least_connections":
         router = serve.deployment(ReplicaRouter, name="ReplicaRouter", **ROUTER_OPTIONS)
         # Serve's direct-streaming hook (Ray 2.60, internal): HAProxy asks the router for

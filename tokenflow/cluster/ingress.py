@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.errors import OpenAIError, service_unavailable
-from tokenflow.cluster.messages import StreamEvent
+from tokenflow.cluster.messages import Resend, StreamEvent
 from tokenflow.cluster.openai_serving import OpenAIServing, build_openai_app
 from tokenflow.cluster.resume import ResumingStream
 from tokenflow.scheduler.pause import PauseState
@@ -77,9 +77,12 @@ class _HandleBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  priority: int, received_time: float,
-                 kv_transfer_params: dict[str, Any] | None = None) -> ResumingStream:
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 streamed: bool = True) -> ResumingStream:
         """The request's stream; should its replica die mid-stream, it goes on on another
-        (`cluster.resume`), unless it carries KV-transfer parameters (a P/D leg)."""
+        (`cluster.resume`), unless it carries KV-transfer parameters (a P/D leg). Streamed or
+        not, the same: a replica that can serve no more ends its process under the request
+        rather than fail it, and the request goes on elsewhere."""
         # A request for a LoRA adapter goes to a replica that holds it (adapter_routing).
         streaming = (self._streaming.options(multiplexed_model_id=params.lora) if params.lora
                      else self._streaming)
@@ -88,7 +91,7 @@ class _HandleBackend:
                         transfer: dict[str, Any] | None) -> _HandleStream:
             return _HandleStream(streaming.generate.remote(
                 prompts, params, request_id, priority, received_time,
-                transfer or kv_transfer_params))
+                transfer or kv_transfer_params, resend=Resend.ANYWHERE))
 
         return ResumingStream(open_stream, prompts, params, request_id, _REPLICA_GONE,
                               _replica_gone, enabled=kv_transfer_params is None)

@@ -11,8 +11,18 @@ Everything here is small and pickles cheaply; nothing imports torch, so the ingr
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+
+class Resend(enum.Enum):
+    """What sends a request again when its replica's process dies (the caller tells
+    `LLMServer.generate`), and where it can go."""
+
+    NEVER = "never"  # Serve's proxy: nothing sends it again
+    ANYWHERE = "anywhere"  # the ingress (`cluster.resume`): it waits for a replica, a new one too
+    TO_A_PEER = "to_a_peer"  # HAProxy: its retries do not wait, so only to a running replica
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from tokenflow.cluster.errors import (
     not_found,
     unauthorized,
 )
-from tokenflow.cluster.messages import Accepted, Finished, Rejected, StreamEvent
+from tokenflow.cluster.messages import Accepted, Finished, Rejected, Resend, StreamEvent
 from tokenflow.cluster.prompts import PromptRenderer
 from tokenflow.cluster.protocol import (
     SSE_DONE,
@@ -85,7 +85,10 @@ class GenerationBackend(Protocol):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  priority: int, received_time: float,
-                 kv_transfer_params: dict[str, Any] | None = None) -> GenerationStream: ...
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 streamed: bool = True) -> GenerationStream:
+        """`streamed`: the client gets the answer as a stream (its response starts at once);
+        a request that is not has had no byte of its answer until it ends."""
 
     async def model_info(self) -> dict[str, Any]: ...
 
@@ -132,14 +135,20 @@ class LocalBackend:
     """A backend that is an `LLMServer` object in this process (tests, and a replica that is
     its own HTTP ingress)."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, unstreamed_resend: Resend = Resend.NEVER) -> None:
+        """`unstreamed_resend`: whether what stands before this replica sends a request
+        again when this replica's process dies before the first byte of its answer (HAProxy
+        does: `Resend.TO_A_PEER`), as for every request that is not streamed."""
         self._server = server
+        self._unstreamed_resend = unstreamed_resend
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  priority: int, received_time: float,
-                 kv_transfer_params: dict[str, Any] | None = None) -> _LocalStream:
-        return _LocalStream(self._server.generate(prompts, params, request_id, priority,
-                                                  received_time, kv_transfer_params))
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 streamed: bool = True) -> _LocalStream:
+        return _LocalStream(self._server.generate(
+            prompts, params, request_id, priority, received_time, kv_transfer_params,
+            resend=Resend.NEVER if streamed else self._unstreamed_resend))
 
     async def model_info(self) -> dict[str, Any]:
         return self._server.model_info()
@@ -306,7 +315,7 @@ class OpenAIServing:
         limit = await self._get_max_model_len()
         prompt_ids = await _tokenize(len(body), self._prompts.encode_all, req.prompts, limit)
         stream = self._backend.generate(prompt_ids, params, fmt.id, req.priority, received,
-                                        req.kv_transfer_params)
+                                        req.kv_transfer_params, req.stream)
         return await self._respond(stream, fmt, req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -324,7 +333,7 @@ class OpenAIServing:
             len(body), self._prompts.render_chat, req.conversation(), req.add_generation_prompt,
             req.chat_template_kwargs, limit, tools.template_tools)
         stream = self._backend.generate([prompt_ids], params, fmt.id, req.priority, received,
-                                        req.kv_transfer_params)
+                                        req.kv_transfer_params, req.stream)
         return await self._respond(stream, fmt, req.stream)
 
     async def responses(self, request: Request) -> Response:
@@ -342,7 +351,8 @@ class OpenAIServing:
         limit = await self._get_max_model_len()
         prompt_ids = await _tokenize(len(body), self._prompts.render_chat, req.chat_messages(),
                                      True, None, limit, tools.template_tools)
-        stream = self._backend.generate([prompt_ids], params, fmt.id, 0, received)
+        stream = self._backend.generate([prompt_ids], params, fmt.id, 0, received,
+                                        streamed=req.stream)
         return await self._respond(stream, fmt, req.stream)
 
     async def tokenize(self, request: Request) -> Response:

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from tokenflow.cluster.adapter_routing import adapter_of
 from tokenflow.cluster.chat_output import ChatOptions
 from tokenflow.cluster.ingress import broadcast
+from tokenflow.cluster.messages import Resend
 from tokenflow.cluster.openai_serving import LocalBackend, OpenAIServing, build_openai_app
 from tokenflow.cluster.server import LLMServer
 from tokenflow.scheduler.pause import PauseState
@@ -35,8 +36,8 @@ class _ReplicaBackend(LocalBackend):
     """Generation, model info and health from this replica; the admin calls (pause, resume,
     their status) act on every replica of the deployment, as through the separate ingress."""
 
-    def __init__(self, server: LLMServer) -> None:
-        super().__init__(server)
+    def __init__(self, server: LLMServer, unstreamed_resend: Resend) -> None:
+        super().__init__(server, unstreamed_resend)
         self._deployment: DeploymentHandle | None = None
 
     def _all_replicas(self) -> DeploymentHandle:
@@ -74,9 +75,16 @@ class IngressLLMServer(LLMServer):
 
     def __init__(self, engine_config: dict[str, Any], model_name: str,
                  api_key: str | None = None, tokenizer: str | None = None,
-                 **server_kwargs: Any) -> None:
+                 behind_haproxy: bool = False, **server_kwargs: Any) -> None:
+        """`behind_haproxy`: the `haproxy` mode, whose HAProxy sends a request again when
+        this process dies before the first byte of its answer. When the replica can serve no
+        more, a request that is not streamed then waits for its process to end (and goes to
+        another replica) instead of failing with a 503; behind Serve's proxy, which sends
+        nothing again, it gets the 503."""
         super().__init__(engine_config, **server_kwargs)
-        self._serving = OpenAIServing(_ReplicaBackend(self), model_name, api_key, tokenizer,
+        resend = Resend.TO_A_PEER if behind_haproxy else Resend.NEVER
+        self._serving = OpenAIServing(_ReplicaBackend(self, resend), model_name,
+                                      api_key, tokenizer,
                                       ChatOptions.from_engine(engine_config))
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -28,6 +28,7 @@ from tokenflow.cluster.messages import (
     Accepted,
     Finished,
     Rejected,
+    Resend,
     SeqDelta,
     StreamEvent,
     TokenLogprob,
@@ -113,17 +114,21 @@ class LLMServer:
             loop = None
         self._poller = loop.create_task(self._poll_stats(metrics_interval_s)) if loop else None
         self._leaving = False
+        self._peer_running: asyncio.Future[bool] | None = None
         self._num_reports = 0  # record_routing_stats calls: a report's identity for routers
 
     # ------------------------------------------------------------------------ generation
     async def generate(self, prompts: list[list[int]], params: SamplingParams,
                        request_id: str, priority: int = 0, received_time: float | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None
-                       ) -> AsyncIterator[StreamEvent]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       resend: Resend = Resend.NEVER) -> AsyncIterator[StreamEvent]:
         """Stream one request: a batch of tokenized prompts, n choices each. The first event
         is `Accepted`, or `Rejected` when the engine refuses the input (too long, ...).
         `kv_transfer_params` (as vLLM's API takes them) publish the prompt's KV for another
-        engine, or load it from one."""
+        engine, or load it from one. `resend`: whether the caller sends the request again, or
+        continues it, on another replica when this replica's process dies; when this replica
+        can serve no more and ends its process, such a request waits for that instead of
+        failing with a 503."""
         try:
             self.engine.check_health()
         except EngineDeadError as exc:
@@ -157,6 +162,8 @@ class LLMServer:
             if disaggregated:  # a paused decode replica sends no new prefills
                 await self.engine.wait_unpaused()
             async for event in events:
+                if resend is not Resend.NEVER and _replica_failure(event):
+                    await self._outlive_unless_serving(resend)
                 yield event
         finally:
             await events.aclose()  # at once: closing it aborts the engine requests
@@ -372,6 +379,25 @@ class LLMServer:
             self._leave(exc)
             raise
 
+    async def _outlive_unless_serving(self, resend: Resend) -> None:
+        """Return if the engine can serve, or if the request would have nowhere to go; else,
+        in Serve, wait for this process to end (`_leave`), so that the request's caller
+        sends it elsewhere."""
+        try:
+            self.engine.check_health()
+        except EngineDeadError as exc:
+            if resend is Resend.TO_A_PEER and not await self._peer_is_running():
+                return
+            if self._leave(exc):
+                await asyncio.Event().wait()
+
+    async def _peer_is_running(self) -> bool:
+        """Whether another replica of this deployment runs (asked of Serve's controller once:
+        this replica is leaving)."""
+        if self._peer_running is None:
+            self._peer_running = asyncio.ensure_future(asyncio.to_thread(_peer_running))
+        return await asyncio.shield(self._peer_running)
+
     def _leave(self, exc: EngineDeadError) -> bool:
         """End this Serve replica's process `LEAVE_AFTER_S` from now (once); False outside
         Serve (a test's LLMServer), which answers 503s instead."""
@@ -443,6 +469,15 @@ class LLMServer:
             self._poller.cancel()
 
 
+def _replica_failure(event: StreamEvent) -> bool:
+    """Whether `event` fails its request for the replica's sake (its engine cannot serve: a
+    503, or error deltas with a retry hint), not the request's."""
+    if isinstance(event, Rejected):
+        return event.status_code == 503 and event.retry_after_s == ENGINE_DEAD_RETRY_S
+    return isinstance(event, list) and any(
+        d.finish_reason == "error" and d.retry_after_s is not None for d in event)
+
+
 def _engine_dead(exc: EngineDeadError) -> Rejected:
     return Rejected(f"this replica cannot serve: {exc}; retry", None, 503, ENGINE_DEAD_RETRY_S)
 
@@ -464,6 +499,20 @@ def _finished(tallies: list[_Tally]) -> Finished:
                     sum(t.num_generated for t in tallies),
                     sum(t.num_cached_tokens for t in tallies),
                     tallies[0].kv_transfer_params if len(tallies) == 1 else None)
+
+
+def _peer_running() -> bool:
+    """Whether Serve's controller counts another RUNNING replica of this one's deployment."""
+    from ray import serve
+
+    try:
+        context = serve.get_replica_context()
+        status = serve.status().applications[context.app_name]
+        states = status.deployments[context.deployment].replica_states
+    except Exception:  # not in Serve, or the controller did not answer: assume none
+        logger.warning("could not tell whether another replica runs", exc_info=True)
+        return False
+    return states.get("RUNNING", 0) >= 2  # this one still counts as running
 
 
 def _replica_id() -> str | None:
