@@ -386,10 +386,11 @@ class LLMServer:
         try:
             self.engine.check_health()
         except EngineDeadError as exc:
+            if not self._leave(exc):  # the process's end is on its way from here
+                return
             if resend is Resend.TO_A_PEER and not await self._peer_is_running():
                 return
-            if self._leave(exc):
-                await asyncio.Event().wait()
+            await asyncio.Event().wait()
 
     async def _peer_is_running(self) -> bool:
         """Whether another replica of this deployment runs (asked of Serve's controller once:

@@ -58,17 +58,15 @@ TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           # garbage: nothing has reached the client yet, so a completion may run again. Not
           # on a 503 (a busy replica's answer goes to the client, with its Retry-After), nor
           # on a timeout (a long generation is not a dead one). Ray's default retries
-          # connection failures only. The retries must outlast HAProxy's health check
-          # marking the dead replica DOWN (2 failed checks: one every 500 ms, the second 250
-          # ms after the first), after which the request goes to a live replica, or, when
-          # none is left, to Serve's fallback proxy, which holds it until Serve has started
-          # one. They do not wait for it: 10, or 40, retries to a refusing port were spent
-          # in 1.1 s (seen with one replica: with checks every 2 s it was still UP, and the
-          # request failed). A replica that ends itself fails its checks (503) half a second
-          # before its process ends (`server.LEAVE_AFTER_S`).
+          # connection failures only. Each retry goes to another replica where there is one
+          # (`option redispatch 1`). The retries do not wait: 10 (or 40) to the refusing port
+          # of a dead one-replica app were spent in about a second, before HAProxy's health
+          # checks (2 failures: every 2 s, then 250 ms apart) had marked it DOWN, and the
+          # request failed; requests that arrive once it is DOWN go to Serve's fallback
+          # proxy, which holds them until Serve has started a new replica.
           "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response",
           "RAY_SERVE_HAPROXY_RETRIES": "10",
-          "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "500ms",
+          "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "2s",
           # Ray starts its workers (every replica and engine process among them) at nice 15,
           # to keep its own daemons responsive: on a node that does anything else (a log
           # shipper, a build, a second tenant) the engine then gets a sliver of a core. Seen:

@@ -140,7 +140,7 @@ mode here must be AppConfig's (a chart test checks both, and each mode's variabl
 - name: RAY_SERVE_HAPROXY_RETRIES
   value: "10"
 - name: RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER
-  value: "500ms"
+  value: "2s"
 - name: RAY_worker_niceness
   value: "0"
 - name: RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
