@@ -9,6 +9,7 @@ The default mode also runs every test of `test_serve.py` (the session cluster is
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import csv
 import json
 import os
@@ -454,6 +455,16 @@ def _replica_processes(server: ServeProcess) -> list[psutil.Process]:
     return [p for p, _ in server.descendants("ServeReplica:tokenflow:LLMServer")]
 
 
+def _engine_processes(replica: psutil.Process) -> list[psutil.Process]:
+    """The replica's engine process (`engine_loop: process`): its multiprocessing child."""
+    found = []
+    for child in replica.children():
+        with contextlib.suppress(psutil.Error):
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
+
+
 def _run_briefly(url: str, auth: dict[str, str], run_s: float = 0.05) -> dict[str, Any]:
     """Resume the paused replicas, let them run `run_s`, pause them again (mode `all`); the
     pause's status. From a process of its own: in this one, the threads reading 16 streams
@@ -507,9 +518,10 @@ def _streams(url: str, num: int, max_tokens: int, on_progress: Any = None
 def test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies(
         offline: LLM, tmp_path: Path) -> None:
     """The API in the proxy_ingress mode. Then kill one of 2 replicas under 16 greedy streams:
-    each stream goes on on the other one and
-    ends token-identical to an uninterrupted run. A request that cannot resume (n=2) gets the
-    ingress's 503 with Retry-After in OpenAI's shape instead."""
+    each stream goes on on the other one and ends token-identical to an uninterrupted run. The
+    same when a replica gives up (its engine process died twice in a row) and ends its own
+    process. A request that cannot resume (n=2) gets the ingress's 503 with Retry-After in
+    OpenAI's shape instead."""
     # One stream at a time on a replica: a replica is busy for ~4 s (quiet machine) with its
     # 8, time enough for `_run_briefly` to pause it mid-way even on a loaded machine (two at
     # a time, ~2 s, was once too short beside two busy processes and a benchmark); the
@@ -570,15 +582,52 @@ def test_proxy_ingress_serves_the_api_and_resumes_streams_whose_replica_dies(
             assert (len(tokens), first, used) == (len(tokens0), None, used0), (i, tokens)
             assert text == text0, i
 
-        # n=2 cannot resume: with every replica gone, the ingress answers a 503. First the
-        # killed replica's replacement.
-        deadline = time.monotonic() + 120
-        while True:
-            status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30)
-            if status.status_code == 200 and len(status.json()["replicas"]) == 2:
-                break
-            assert time.monotonic() < deadline, status.text
-            time.sleep(0.5)
+        def wait_for_two_replicas() -> None:  # the killed replica's replacement
+            deadline = time.monotonic() + 120
+            while True:
+                status = httpx.get(f"{url}/is_paused", headers=auth, timeout=30)
+                if status.status_code == 200 and len(status.json()["replicas"]) == 2:
+                    break
+                assert time.monotonic() < deadline, status.text
+                time.sleep(0.5)
+
+        # A replica whose engine process dies, and dies again right after its restart, can
+        # serve no more and ends its own process: the streams it holds wait for that instead
+        # of failing, and go on on the other replica, token-exact.
+        wait_for_two_replicas()
+        call("POST", "/pause", mode="all")
+        gave_up: list[int] = []
+
+        def kill_an_engine_twice(progress: list[int]) -> bool:
+            if sum(r["waiting"] for r in call("GET", "/is_paused")["replicas"]) < len(progress):
+                return False
+            for _ in range(20):
+                busy = max(_run_briefly(url, auth)["replicas"], key=lambda r: r["running"])
+                if busy["running"]:
+                    break
+            [victim] = [p for p in _replica_processes(server) if p.pid == busy["pid"]]
+            [engine] = _engine_processes(victim)
+            engine.kill()  # the replica starts another and its streams go on there...
+            engine.wait(60)
+            deadline = time.monotonic() + 120
+            while not (restarted := [p for p in _engine_processes(victim)
+                                     if p.pid != engine.pid]):
+                assert time.monotonic() < deadline, "the engine process was not restarted"
+                time.sleep(0.05)
+            restarted[0].kill()  # ...until it dies again at once: the replica gives up
+            victim.wait(60)  # and ends its process
+            gave_up.append(busy["running"])
+            call("POST", "/resume")
+            return True
+
+        again = _streams(url, 16, MAX_TOKENS, on_progress=kill_an_engine_twice)
+        assert gave_up and gave_up[0] > 0, "no stream was running on the replica that gave up"
+        for i, ((text, tokens, used), (text0, tokens0, used0)) in enumerate(
+                zip(again, uninterrupted, strict=True)):
+            assert (tokens, used, text) == (tokens0, used0, text0), i
+
+        # n=2 cannot resume: with every replica gone, the ingress answers a 503.
+        wait_for_two_replicas()
         body = {"model": MODEL, "prompt": "twice", "max_tokens": 200, "n": 2,
                 "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

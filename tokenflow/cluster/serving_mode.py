@@ -97,9 +97,11 @@ def switches(mode: ServingMode) -> dict[str, str]:
 # or closes the client's connection without a word when the replica's connection was a
 # reused one), and a client's headers and body often arrive apart (httpx writes them
 # separately; on a busy machine ms apart). A router that routes on the prompt or the adapter
-# needs the body too. The buffer, per connection, bounds both: a longer body is not held
-# whole (not sent again; the router balances it on load alone). Ray's default, 8 MiB, would
-# let a few hundred connections take gigabytes; its plain buffer, 16 KiB, holds no long prompt.
+# needs the body too. The buffer bounds both: a longer body is not held whole (not sent
+# again; the router balances it on load alone). HAProxy takes up to two of them per request
+# in flight (1,000 in flight: up to 512 MiB at 256 KiB); Ray's default for it, 8 MiB, would
+# let a few hundred take gigabytes, and its plain buffer, 16 KiB, holds no long prompt. The
+# environment's RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE, if set, wins.
 FORWARD_BODY = "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"
 _BUFSIZE, _ROUTER_BUFSIZE = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE", str(256 * 1024)
 
