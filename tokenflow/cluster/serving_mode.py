@@ -59,7 +59,7 @@ TUNING = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
           # on a 503 (a busy replica's answer goes to the client, with its Retry-After), nor
           # on a timeout (a long generation is not a dead one). Ray's default retries
           # connection failures only. Each retry goes to another replica where there is one
-          # (`option redispatch 1`). The retries do not wait: 10 (or 40) to the refusing port
+          # (`option redispatch 1`). The retries do not wait: 10 (40, when tried) to the refusing port
           # of a dead one-replica app were spent in about a second, before HAProxy's health
           # checks (2 failures: every 2 s, then 250 ms apart) had marked it DOWN, and the
           # request failed; requests that arrive once it is DOWN go to Serve's fallback
