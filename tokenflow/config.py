@@ -66,7 +66,7 @@ class ModelConfig(_Frozen):
     num_threads: int | None = Field(default=None, ge=1)
     # Weight-only quantization of the linear layers on CPU (replica/models/quantized.py):
     # none keeps float weights; int8 (a scale per row) or int4 (groups of 32 with scale and
-    # zero) keep the weights quantized and multiply them in bfloat16. auto: what the weights
+    # zero) keep the weights quantized and multiply them with bfloat16 inputs. auto: what the weights
     # are stored as, on CPU (a GGUF file of 4-bit blocks: int4; of 8-bit ones: int8), none
     # otherwise (float checkpoints, the GPU).
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
@@ -74,6 +74,15 @@ class ModelConfig(_Frozen):
     # single token, one for each range of batch sizes the quantized layers switch kernels at
     # (replica/worker/compile.py). Off: eager PyTorch, as the tests run.
     compile: bool = False
+    # A token's result never depends on what else the step holds (vLLM's
+    # VLLM_BATCH_INVARIANT, made the default here): a request's greedy text is the same alone
+    # or in any batch, with or without a prefix hit, chunked or whole, after an engine restart.
+    # On the CPU every quantized layer multiplies any number of rows through one kernel whose
+    # per-row arithmetic is fixed (no dense copy for large batches), and every query row,
+    # decode or prompt, attends through the same kernel arithmetic. False: large batches take
+    # the dense bfloat16 copies and decodes their own kernel (faster prompts; bench/README,
+    # "Batch invariance"). Float (unquantized) layers multiply through oneDNN either way.
+    batch_invariant: bool = True
 
     @property
     def name(self) -> str:

@@ -129,6 +129,58 @@ def test_a_prompt_s_rows_do_not_depend_on_its_chunks(kernel) -> None:
     assert torch.equal(run([5, 64, 100, 148]), whole)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_step(
+        kernel, cache_dtype, window) -> None:
+    """With `batch_invariant`, a decode's row is computed as a prompt's row is: a prompt
+    attended whole, then its last token attended as a decode (after the rest), alone or beside
+    other decodes and prompts, gives that token bit-identical results."""
+    gen = torch.Generator().manual_seed(21)
+    n, heads, kv_heads, dim = 90, 9, 3, 64
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    others = [torch.randn(m, heads + 2 * kv_heads, dim, generator=gen) for m in (1, 30, 1)]
+    attention = CpuAttentionBackend(kernel, batch_invariant=True)
+    blocks = -(-n // BLOCK_SIZE)
+
+    def run(beside: list[torch.Tensor]) -> torch.Tensor:
+        """The prompt's first n - 1 tokens, then its last one as a decode beside `beside`
+        (each a fresh request of its own); returns the last token's row."""
+        cache = torch.zeros(2, blocks * (1 + len(beside)), BLOCK_SIZE, kv_heads, dim,
+                            dtype=cache_dtype)
+        table = [list(range(blocks))]
+        meta = AttentionMetadata.build(slot_mapping=list(range(n - 1)), block_table=table,
+                                       query_start_loc=[0, n - 1], seq_lens=[n - 1],
+                                       block_size=BLOCK_SIZE, window=window)
+        attention.forward(q[:n - 1], k[:n - 1], v[:n - 1], cache, meta, dim**-0.5)
+        slots, qsl, seqs, qs, ks, vs = [n - 1], [0, 1], [n], [q[-1:]], [k[-1:]], [v[-1:]]
+        for i, t in enumerate(beside, start=1):
+            m = t.shape[0]
+            table.append(list(range(i * blocks, (i + 1) * blocks)))
+            slots += [i * blocks * BLOCK_SIZE + p for p in range(m)]
+            qsl.append(qsl[-1] + m)
+            seqs.append(m)
+            bq, bk, bv = t.split((heads, kv_heads, kv_heads), dim=1)
+            qs.append(bq)
+            ks.append(bk)
+            vs.append(bv)
+        meta = AttentionMetadata.build(slot_mapping=slots, block_table=table,
+                                       query_start_loc=qsl, seq_lens=seqs,
+                                       block_size=BLOCK_SIZE, window=window)
+        return attention.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta,
+                                 dim**-0.5)[0]
+
+    cache = torch.zeros(2, blocks, BLOCK_SIZE, kv_heads, dim, dtype=cache_dtype)
+    meta = AttentionMetadata.build(slot_mapping=list(range(n)), block_table=[list(range(blocks))],
+                                   query_start_loc=[0, n], seq_lens=[n], block_size=BLOCK_SIZE,
+                                   window=window)
+    whole = attention.forward(q, k, v, cache, meta, dim**-0.5)[-1]
+    assert torch.equal(run([]), whole)
+    assert torch.equal(run(others), whole)
+    assert torch.equal(run(others[:1]), whole)
+
+
 def test_kernel_declines_groups_beyond_its_buffers(kernel) -> None:
     cache, q, k, v, meta = _step([10, 20], [1, 1], 32, 1, 8, None, seed=2)
     out, before = torch.full(q.shape, 7.0), cache.clone()

@@ -1,6 +1,7 @@
 """tokenflow's quantized CPU kernels (replica/models/quantized_mv.cpp): the same products as
 torch's packed kernels on the same codes, at every row count a decode step has, with rows
-that do not fill a tile; a layer of each layout; and the fallback where nothing builds."""
+that do not fill a tile; each row's result bit-identical whatever the row count (batch
+invariance); a layer of each layout; and the fallback where nothing builds."""
 
 from __future__ import annotations
 
@@ -37,11 +38,25 @@ def test_the_tiled_kernels_multiply_as_torch_s_do(method: str, rows: int,
     x = torch.randn(rows, 192, generator=gen)
     out, expected = tiled(x), reference(x)
     assert out.shape == expected.shape == (rows, 200)
-    # The same codes, scales and bfloat16 inputs; sums in another order, each output rounded
-    # to bfloat16 (one ulp: 2^-8 relative).
+    # The same codes, scales and bfloat16 inputs; sums in another order, torch's outputs
+    # rounded to bfloat16 (one ulp: 2^-8 relative), ours kept float32.
     torch.testing.assert_close(out, expected, rtol=8e-3, atol=2e-3)
     torch.testing.assert_close(tiled.dequantized(), reference.dequantized(), rtol=8e-3,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_a_row_s_result_never_depends_on_how_many_rows_the_call_has(method: str) -> None:
+    """Batch invariance: each row of a call of 2 to 70 rows (one pass of rows or several, the
+    tile decoded in the loop or once into a buffer) is bit-identical to that row alone."""
+    gen = torch.Generator().manual_seed(3)
+    layer = getattr(QuantizedLinear, method)(torch.randn(200, 320, generator=gen) * 0.05)
+    x = torch.randn(70, 320, generator=gen)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    assert alone.dtype == torch.float32
+    for rows in (2, 3, 4, 5, 7, 8, 9, 16, 33, 70):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    assert torch.equal(layer(x[13:50]), alone[13:50])
 
 
 def test_a_tiled_kernel_sees_every_weight_and_input() -> None:

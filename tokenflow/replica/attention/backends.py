@@ -71,6 +71,7 @@ class AttentionMetadata:
     decodes_lead: bool  # the decodes are exactly tokens [0, num_decodes) of the batch
     prefills: list[PrefillSpan]
     prefill_reqs: torch.Tensor  # [len(prefills)] int64 request index of each prefill span
+    all_reqs: torch.Tensor  # [num_reqs] int64: every request (decodes as prompts of one token)
     window: int | None = None  # keys a query sees, itself included; None = all before it
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
     _host: tuple[np.ndarray, np.ndarray, np.ndarray, torch.device | str, torch.dtype] | None = (
@@ -128,6 +129,7 @@ class AttentionMetadata:
                 for r in np.flatnonzero(qlens > 1)
             ],
             prefill_reqs=put(np.flatnonzero(qlens > 1), np.int64),
+            all_reqs=put(np.arange(len(seq)), np.int64),
             window=window,
             _host=(qsl, seq, table, device, dtype),
         )
@@ -333,16 +335,23 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The CPU's backend: every query reads the paged cache in place through the C kernels
+    """The CPU's backend: every query reads the paged cache through the C kernels
     (`cpu_kernel.py`, one call per layer for all of a step's decodes and one for all of its
-    prompts and chunks: no gather copy, no mask tensor; a prompt's rows are computed the same
-    whether it comes whole or in chunks). Shapes beyond the kernels go through the torch
-    backend's SDPA. Owns the kernel and the prefill kernel's float32 workspace (each
-    context's K and V copied out of their blocks: ~2x SDPA at 290 tokens, bench/README)."""
+    prompts and chunks: no mask tensor; a prompt's rows are computed the same whether it comes
+    whole or in chunks). Shapes beyond the kernels go through the torch backend's SDPA. Owns
+    the kernel and the prefill kernel's float32 workspace (each context's K and V copied out
+    of their blocks: ~2x SDPA at 290 tokens, bench/README).
 
-    def __init__(self, kernel: PagedAttentionKernel) -> None:
+    `batch_invariant`: decodes go through the prefill kernel too, as prompts of one token, so
+    a query row's arithmetic is the same whether it is a decode, a prompt's row, a chunk's or
+    a prefix hit's, and whatever else the step holds (the decode kernel splits few contexts
+    into chunks, and sums a score in another order). Else decodes read the cache in place
+    through the decode kernel (no copy; faster at long contexts)."""
+
+    def __init__(self, kernel: PagedAttentionKernel, batch_invariant: bool = False) -> None:
         super().__init__()
         self._kernel = kernel
+        self.batch_invariant = batch_invariant
         self._prefill_workspace = torch.empty(0)
 
     def forward(
@@ -357,6 +366,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not self._kernel.supports(q, k, v, kv_cache):
             return super().forward(q, k, v, kv_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.batch_invariant:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            if self._kernel.prefill(q, kv_cache, meta, scale,
+                                    self._workspace_for(meta, kv_cache, every=True), out,
+                                    every=True):
+                return out
+            return super().forward(q, k, v, kv_cache, meta, scale)
         if not meta.num_decodes:
             write_kv(kv_cache, k, v, meta.slot_mapping)
         # Writes the step's K/V, then attends the decodes.
@@ -367,8 +383,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self._attend_prefills(q, k, v, kv_cache, meta, scale, out)
         return out
 
-    def _workspace_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        need = self._kernel.prefill_workspace_floats(meta, kv_cache.shape[-2], kv_cache.shape[-1])
+    def _workspace_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                       every: bool = False) -> torch.Tensor:
+        need = self._kernel.prefill_workspace_floats(meta, kv_cache.shape[-2], kv_cache.shape[-1],
+                                                     every)
         if self._prefill_workspace.numel() < need:
             self._prefill_workspace = torch.empty(need)
         return self._prefill_workspace
@@ -481,10 +499,12 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
 attention_op = torch.ops.tokenflow.attention.default
 
 
-def select_backend(device: torch.device | str) -> AttentionBackend:
-    """flash-attn on CUDA when it is installed; on the CPU, the C kernel for decodes where it
-    builds; the torch backend otherwise, or wherever `TOKENFLOW_ATTENTION_BACKEND=torch` asks
-    for it (the benchmarks' comparison)."""
+def select_backend(device: torch.device | str, batch_invariant: bool = False
+                   ) -> AttentionBackend:
+    """flash-attn on CUDA when it is installed; on the CPU, the C kernels where they build
+    (`batch_invariant`: decodes computed as prompts, `CpuAttentionBackend`); the torch backend
+    otherwise, or wherever `TOKENFLOW_ATTENTION_BACKEND=torch` asks for it (the benchmarks'
+    comparison)."""
     if os.environ.get("TOKENFLOW_ATTENTION_BACKEND") == "torch":
         return TorchAttentionBackend()
     if torch.device(device).type == "cuda":
@@ -493,4 +513,5 @@ def select_backend(device: torch.device | str) -> AttentionBackend:
         except ImportError:
             return TorchAttentionBackend()
     kernel = cpu_kernel.load()
-    return TorchAttentionBackend() if kernel is None else CpuAttentionBackend(kernel)
+    return (TorchAttentionBackend() if kernel is None
+            else CpuAttentionBackend(kernel, batch_invariant))

@@ -91,22 +91,27 @@ class PagedAttentionKernel:
         return rc == 0
 
     @staticmethod
-    def prefill_workspace_floats(meta: AttentionMetadata, kv_heads: int, head_dim: int) -> int:
+    def prefill_workspace_floats(meta: AttentionMetadata, kv_heads: int, head_dim: int,
+                                 every: bool = False) -> int:
         """Floats of the workspace `prefill` needs for this step (an upper bound: each context
-        as float32, K and V, rounded up to 16 keys and V's rows to 16 floats)."""
+        as float32, K and V, rounded up to 16 keys and V's rows to 16 floats); `every`: for
+        every request, the decodes too."""
         padded_dim = -(-head_dim // 16) * 16
-        keys = sum(-(-span.seq_len // 16) * 16 for span in meta.prefills)
+        lens = meta.seq_lens_cpu if every else [span.seq_len for span in meta.prefills]
+        keys = sum(-(-n // 16) * 16 for n in lens)
         return keys * kv_heads * (head_dim + padded_dim)
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, workspace: torch.Tensor, out: torch.Tensor) -> bool:
-        """Attend the step's prompts and chunks (`meta.prefill_reqs`) causally over their
-        contexts in kv_cache, whose slots already hold this step's K/V: out's rows of their
-        tokens are written. workspace: float32, at least `prefill_workspace_floats` long.
-        False: the shapes are beyond the kernel (nothing written)."""
+                scale: float, workspace: torch.Tensor, out: torch.Tensor,
+                every: bool = False) -> bool:
+        """Attend the step's prompts and chunks (`meta.prefill_reqs`; `every`: every request,
+        a decode as a prompt of one token) causally over their contexts in kv_cache, whose
+        slots already hold this step's K/V: out's rows of their tokens are written. workspace:
+        float32, at least `prefill_workspace_floats` long. False: the shapes are beyond the
+        kernel (nothing written)."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         k_cache, v_cache = _halves(kv_cache)
-        table, reqs = meta.block_table, meta.prefill_reqs
+        table, reqs = meta.block_table, meta.all_reqs if every else meta.prefill_reqs
         rc = self._prefill_fns[kv_cache.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, table.data_ptr(),
             table.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),

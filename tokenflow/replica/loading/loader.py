@@ -87,10 +87,13 @@ def load_model(
     layer_range: tuple[int, int] | None = None,
     seed: int = 0,
     quantization: Quantization = "none",
+    batch_invariant: bool = False,
 ) -> CausalLM:
     """Build the model, or its pipeline stage `layer_range` = [start, end), with its weights,
     its linear layers quantized as asked (`quantize_linears`) and, on the CPU, its LM head
-    prepacked for oneDNN (`prepack_lm_head`)."""
+    prepacked for oneDNN (`prepack_lm_head`). `batch_invariant` (`ModelConfig`): quantized
+    layers keep no dense copy (one kernel for every row count), a quantized head is not
+    prepacked, and attention computes decodes as it computes prompts."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     source = model if isinstance(model, ModelSource) else resolve_model(str(model))
@@ -104,15 +107,16 @@ def load_model(
     device = torch.device(device)
     # Build on the meta device so no memory is touched before the real weights arrive.
     with torch.device("meta"):
-        model = model_cls(arch, layer_range, select_backend(device)).to(dtype)
+        model = model_cls(arch, layer_range, select_backend(device, batch_invariant)).to(dtype)
     model.to_empty(device=device)
     needed = _needed_tensors(model)
     if load_format == "dummy":
         _fill(needed, _dummy_tensors(needed, seed))
     else:
         _fill(needed, source.tensors(set(needed)))
-    quantize_linears(model, quantization)
-    prepack_lm_head(model)
+    quantize_linears(model, quantization, keep_dense=not batch_invariant)
+    if not (batch_invariant and quantization != "none"):
+        prepack_lm_head(model)
     # Inference only: no autograd bookkeeping even if a caller forgets inference_mode.
     return model.eval().requires_grad_(False)
 

@@ -11,20 +11,18 @@ rows, 1.4-1.6x torch's packed int4 kernel and ~2x its int8 one at one row, where
 bound by their arithmetic), or, where that cannot be built, torch's
 (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`), each layer in the layout of
 the kernel it was made for (`tiled`). Both take bfloat16 activations (torch's are ~20x slower
-for float32 ones), so a quantized layer takes its input in the model's dtype, multiplies in
-bfloat16, and hands back the model's dtype: the residual stream, the norms and attention stay
-float32.
+for float32 ones), so a quantized layer rounds its input to bfloat16, and hands back the
+model's dtype (tokenflow's kernels sum and return float32): the residual stream, the norms and
+attention stay float32.
 
-The packed kernels win where a step reads many weights for few rows (decode: ~2-3x faster than
-a bfloat16 matmul, ~3-6x than float32, at 1-4 rows); from ~8 rows on (16 for the wide LM head)
-the dense bfloat16 matmul (oneDNN, AVX512-BF16) is faster, ~2.5x the packed kernels at 256
-rows (bench/README, "Quantized weights"). So each layer also keeps its dequantized weight as
-bfloat16 and multiplies by that above its row threshold: 2.5 bytes a weight in all (int4 +
-bfloat16) against float32's 4, both paths multiplying by the same values.
-
-The LM head is never compiled, so it holds its dense copy prepacked for oneDNN instead
-(`prepack_lm_head`, models/prepacked.py), which beats the int8 kernel from 2 rows on; the
-compiled layers get their copies prepacked by inductor's freezing (worker/compile.py).
+Batch invariance (`ModelConfig.batch_invariant`, the default): tokenflow's kernels give each
+row the same bits whatever the row count, so a layer multiplies every batch through them and
+keeps nothing else (0.5 bytes a weight for int4). Without it, each layer also keeps its
+dequantized weight as bfloat16 and multiplies batches above its row threshold by that (the
+dense oneDNN matmul is ~1.5-2x the kernels at hundreds of rows: faster prompts), 2.5 bytes a
+weight in all; a row's result then depends on its batch's size. The LM head, never compiled,
+holds that dense copy prepacked for oneDNN (`prepack_lm_head`, models/prepacked.py); the
+compiled layers get theirs prepacked by inductor's freezing (worker/compile.py).
 """
 
 from __future__ import annotations
@@ -185,8 +183,8 @@ class QuantizedLinear(nn.Module):
         return out if out.shape[1] == self.out_features else out[:, :self.out_features]
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [N, K] this layer multiplies by, as float32 (each value rounded to
-        bfloat16 on the way: the kernel's output dtype)."""
+        """The weight [N, K] this layer multiplies by, as float32 (torch's kernels round each
+        value to bfloat16 on the way: their output dtype)."""
         return self._packed(torch.eye(self.in_features, dtype=_COMPUTE)).float().T.contiguous()
 
     def extra_repr(self) -> str:

@@ -1,4 +1,4 @@
-"""The CPU's quantized matrix products for few rows (quantized_mv.cpp): built once per machine
+"""The CPU's quantized matrix products (quantized_mv.cpp): built once per machine
 against torch's C++ headers (replica/native_build.py caches it), loaded as the torch ops
 `tokenflow::int4_mv` and `tokenflow::int8_mv`, and the weight layouts they read.
 
@@ -42,12 +42,12 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("tokenflow::int4_mv")
     def _int4(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("tokenflow::int8_mv")
     def _int8(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int
               ) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
 def int4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,8 @@ def int4_tiles(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
 
 
 def int4_mv(x: torch.Tensor, tiles: torch.Tensor, n: int) -> torch.Tensor:
-    """bfloat16 x [M, K] times int4 tiles -> bfloat16 [M, n]."""
+    """bfloat16 x [M, K] times int4 tiles -> float32 [M, n]; each row's result is the same
+    whatever M (batch invariance)."""
     return torch.ops.tokenflow.int4_mv(x, tiles, n)
 
 
@@ -88,7 +89,8 @@ def int8_scales(scales: torch.Tensor) -> torch.Tensor:
 
 
 def int8_mv(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """bfloat16 x [M, K] times int8 tiles scaled per row -> bfloat16 [M, n]."""
+    """bfloat16 x [M, K] times int8 tiles scaled per row -> float32 [M, n]; each row's result
+    is the same whatever M."""
     return torch.ops.tokenflow.int8_mv(x, tiles, scales, n)
 
 

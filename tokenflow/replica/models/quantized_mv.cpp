@@ -1,5 +1,6 @@
-/* Weight-only quantized matrix products for few rows (a decode step's 1-8 tokens) on the CPU:
- * int4 groups and int8 rows, multiplied in float32 straight from the quantized bytes.
+/* Weight-only quantized matrix products on the CPU, for any number of rows (a decode's one, a
+ * prompt's hundreds): int4 groups and int8 rows, multiplied in float32 straight from the
+ * quantized bytes.
  *
  * At a few rows a step reads every weight once, so the product is bound by how fast the bytes
  * arrive. torch's packed kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) run
@@ -15,8 +16,15 @@
  *         values of torch's int4 kernel and of the layer's dense bfloat16 copy.
  *   int8: tile t is K x 16 int8 (column-major within the tile) and a float scale per row.
  *
- * Inputs are bfloat16 (the values the dense path multiplies by), products are summed in
- * float32 and the output is rounded to bfloat16 as torch's kernels do. Built by
+ * Inputs are bfloat16, products are summed in float32 and the output stays float32 (rounding
+ * each projection's output to bfloat16 cost faithfulness for nothing: bench/fidelity.py).
+ *
+ * Batch invariance: an output row's arithmetic never depends on how many rows the call has.
+ * Each row is summed through the same fixed number of accumulator chains in the same order,
+ * whatever the row count; the row count only picks how many rows share one pass over a tile
+ * (register blocking), and above one pass a tile's weights are decoded once into a buffer,
+ * which yields the same bits as decoding them in the loop. So a prompt's rows, a decode's row
+ * and the rows of a batch of 64 give each token the same result bit for bit. Built by
  * tokenflow/replica/models/quantized_kernel.py; registered as torch ops (tokenflow::int4_mv,
  * tokenflow::int8_mv), so a compiled graph calls them as it calls aten's; OpenMP is torch's
  * own runtime (loaded first: one thread pool).
@@ -38,12 +46,15 @@ constexpr int64_t kGroup = 32;  // input columns of an int4 group
 constexpr int64_t kCodeBytes = kGroup / 2 * kRows;                   // 256
 constexpr int64_t kGroupBytes = kCodeBytes + 2 * kRows * sizeof(uint16_t);  // + scales, zeros
 // Input rows one pass over a tile holds in registers (32 vector registers with AVX-512, 16
-// without).
+// without). Only the blocking: a row's sums are the same in a pass of any size.
 #if defined(__AVX512F__)
-constexpr int64_t kMaxRows = 8;
-#else
 constexpr int64_t kMaxRows = 4;
+#else
+constexpr int64_t kMaxRows = 2;
 #endif
+// Accumulator chains per input row, fixed for every row count (batch invariance): FMA latency
+// is ~4 cycles at 2 a cycle, so a lone row wants several chains in flight.
+constexpr int kChains = 4;
 
 typedef float fvec __attribute__((vector_size(kRows * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(kRows * sizeof(int32_t))));
@@ -106,36 +117,42 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// float32 -> bfloat16, rounding to nearest even (as torch's `.to(torch.bfloat16)`).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // NaN
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // Stores a tile's 16 sums of input row m, dropping the rows past `valid` (the padding).
-inline void store_row(uint16_t *out, fvec acc, int64_t valid) {
-  float sums[kRows];
-  std::memcpy(sums, &acc, sizeof sums);
-  for (int64_t j = 0; j < valid; ++j) out[j] = to_bf16(sums[j]);
+inline void store_row(float *out, fvec acc, int64_t valid) {
+  std::memcpy(out, &acc, sizeof(float) * size_t(valid));
 }
-
-// Independent accumulators per input row: FMA latency is ~4 cycles at 2 a cycle, so one row
-// needs ~8 chains in flight; more rows bring their own.
-template <int M> constexpr int kChains = M == 1 ? 4 : (M == 2 ? 2 : 1);
 
 #if defined(__AVX512BF16__)
-/* One int4 tile times M input rows (AVX512-BF16): a code c becomes the bfloat16 1 + c / 16
- * (0x3F80 | c << 3: one shift-or-mask of its byte makes a column pair's two codes one 32-bit
- * lane), and one `vdpbf16ps` multiplies a pair of columns by the input's bfloat16 pair for 16
- * rows, summed in float32. sum((1 + c / 16) x) = xs + sum(c x) / 16, so sum(c x) =
- * 16 (dot - xs). xpairs: the input rows' bfloat16 as 32-bit pairs [M][K / 2]. */
-template <int M>
-void int4_tile(const uint8_t *tile, int64_t groups, const uint32_t *xpairs, int64_t K,
-               const float *xsum, uint16_t *out, int64_t N, int64_t valid) {
-  constexpr int C = M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
+/* A code c becomes the bfloat16 1 + c / 16 (0x3F80 | c << 3: one shift-or-mask of its byte makes
+ * a column pair's two codes one 32-bit lane), so one `vdpbf16ps` multiplies a pair of columns
+ * by the input's bfloat16 pair for 16 rows, summed in float32. sum((1 + c / 16) x) = xs +
+ * sum(c x) / 16, so sum(c x) = 16 (dot - xs). The pair p of a group (16 bytes of codes): */
+inline __m512i decode_pair(const uint8_t *codes, int64_t p) {
   const __m512i nibbles = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+  const __m512i v =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + p * kRows)));
+  const __m512i t = _mm512_slli_epi32(v, 3);
+  // (t | t << 12) & nibbles | one: (A & B) | C is ternary-logic table 0xEA.
+  return _mm512_ternarylogic_epi32(_mm512_or_si512(t, _mm512_slli_epi32(t, 12)), nibbles, one,
+                                   0xEA);
+}
+
+/* A tile's codes decoded for all its groups: [groups][16 pairs] vectors, for passes over many
+ * input rows (the same bits decode_pair gives in the loop). */
+inline void decode_tile(const uint8_t *tile, int64_t groups, __m512i *decoded) {
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t p = 0; p < kGroup / 2; ++p)
+      decoded[g * (kGroup / 2) + p] = decode_pair(tile + g * kGroupBytes, p);
+}
+
+/* One int4 tile times M input rows (AVX512-BF16); `decoded`: the tile's pairs decoded
+ * (decode_tile), or null to decode them here. xpairs: the input rows' bfloat16 as 32-bit
+ * pairs [M][K / 2]. */
+template <int M>
+void int4_tile(const uint8_t *tile, const __m512i *decoded, int64_t groups,
+               const uint32_t *xpairs, int64_t K, const float *xsum, float *out, int64_t N,
+               int64_t valid) {
+  constexpr int C = kChains;
   fvec acc[M] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t *codes = tile + g * kGroupBytes;
@@ -144,12 +161,7 @@ void int4_tile(const uint8_t *tile, int64_t groups, const uint32_t *xpairs, int6
       for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kGroup / 2; p += C) {
       for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + (p + c) * kRows)));
-        const __m512i t = _mm512_slli_epi32(v, 3);
-        // (t | t << 12) & nibbles | one: (A & B) | C is ternary-logic table 0xEA.
-        const __m512i w = _mm512_ternarylogic_epi32(_mm512_or_si512(t, _mm512_slli_epi32(t, 12)),
-                                                    nibbles, one, 0xEA);
+        const __m512i w = decoded ? decoded[g * (kGroup / 2) + p + c] : decode_pair(codes, p + c);
         const int64_t pair = g * kGroup / 2 + p + c;
         for (int m = 0; m < M; ++m)
           dot[m][c] = _mm512_dpbf16_ps(dot[m][c], (__m512bh)w,
@@ -171,9 +183,9 @@ void int4_tile(const uint8_t *tile, int64_t groups, const uint32_t *xpairs, int6
 #else
 /* One int4 tile times M input rows x [M][K] (float), their group sums xsum [M][groups]. */
 template <int M>
-void int4_tile(const uint8_t *tile, int64_t groups, const float *x, int64_t K,
-               const float *xsum, uint16_t *out, int64_t N, int64_t valid) {
-  constexpr int C = kChains<M>;
+void int4_tile(const uint8_t *tile, const void *, int64_t groups, const float *x, int64_t K,
+               const float *xsum, float *out, int64_t N, int64_t valid) {
+  constexpr int C = kChains / 2;  // a chain each for the low and the high nibbles
   fvec acc[M] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t *codes = tile + g * kGroupBytes;
@@ -208,8 +220,8 @@ void int4_tile(const uint8_t *tile, int64_t groups, const float *x, int64_t K,
 /* One int8 tile [K][16] times M input rows; scale: the tile's 16 row scales. */
 template <int M>
 void int8_tile(const int8_t *tile, int64_t K, const float *x, const float *scale,
-               uint16_t *out, int64_t N, int64_t valid) {
-  constexpr int C = 2 * kChains<M>;
+               float *out, int64_t N, int64_t valid) {
+  constexpr int C = kChains;
   fvec acc[M][C] = {};
   int64_t k = 0;
   for (; k + C <= K; k += C) {
@@ -253,29 +265,23 @@ inline void for_row_chunks(int64_t M, Tile &&tile) {
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     switch (std::min(kMaxRows, M - m0)) {
       case 1: tile.template operator()<1>(m0); break;
+#if defined(__AVX512F__)
       case 2: tile.template operator()<2>(m0); break;
       case 3: tile.template operator()<3>(m0); break;
-      case 4: tile.template operator()<4>(m0); break;
-#if defined(__AVX512F__)
-      case 5: tile.template operator()<5>(m0); break;
-      case 6: tile.template operator()<6>(m0); break;
-      case 7: tile.template operator()<7>(m0); break;
-      default: tile.template operator()<8>(m0); break;
-#else
-      default: tile.template operator()<4>(m0); break;
 #endif
+      default: tile.template operator()<kMaxRows>(m0); break;
     }
   }
 }
 
-/* x [M, K] bfloat16 times int4 tiles [tiles, K / 32, 320] uint8 -> [M, N] bfloat16. */
+/* x [M, K] bfloat16 times int4 tiles [tiles, K / 32, 320] uint8 -> [M, N] float32. */
 at::Tensor int4_mv(const at::Tensor &x, const at::Tensor &tiles, int64_t N) {
   const int64_t M = x.size(0), K = tiles.size(1) * kGroup, groups = tiles.size(1);
   check_input(x, K);
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
                   tiles.size(2) == kGroupBytes && tiles.size(0) * kRows >= N,
               "tiles must be contiguous uint8 [ceil(N / 16), K / 32, 320]");
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const std::vector<float> xf = widen(x);
   std::vector<float> xsum(M * groups);
   for (int64_t m = 0; m < M; ++m)
@@ -285,27 +291,40 @@ at::Tensor int4_mv(const at::Tensor &x, const at::Tensor &tiles, int64_t N) {
       xsum[m * groups + g] = s;
     }
   const auto *w = tiles.data_ptr<uint8_t>();
-  auto *o = reinterpret_cast<uint16_t *>(out.data_ptr());
+  float *o = out.data_ptr<float>();
   const int64_t num_tiles = (N + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t valid = std::min(kRows, N - t * kRows);
-    const uint8_t *tile = w + t * groups * kGroupBytes;
-    for_row_chunks(M, [&]<int R>(int64_t m0) {
+#pragma omp parallel
+  {
 #if defined(__AVX512BF16__)
-      const uint32_t *xin = reinterpret_cast<const uint32_t *>(x.data_ptr()) + m0 * K / 2;
+    // Above one pass of rows, each tile is decoded once for all of them.
+    std::vector<__m512i> decoded(M > kMaxRows ? size_t(groups * kGroup / 2) : 0);
+    __m512i *dec = decoded.empty() ? nullptr : decoded.data();
 #else
-      const float *xin = xf.data() + m0 * K;
+    const void *dec = nullptr;
 #endif
-      int4_tile<R>(tile, groups, xin, K, xsum.data() + m0 * groups, o + m0 * N + t * kRows,
-                   N, valid);
-    });
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t valid = std::min(kRows, N - t * kRows);
+      const uint8_t *tile = w + t * groups * kGroupBytes;
+#if defined(__AVX512BF16__)
+      if (dec != nullptr) decode_tile(tile, groups, dec);
+#endif
+      for_row_chunks(M, [&]<int R>(int64_t m0) {
+#if defined(__AVX512BF16__)
+        const uint32_t *xin = reinterpret_cast<const uint32_t *>(x.data_ptr()) + m0 * K / 2;
+#else
+        const float *xin = xf.data() + m0 * K;
+#endif
+        int4_tile<R>(tile, dec, groups, xin, K, xsum.data() + m0 * groups,
+                     o + m0 * N + t * kRows, N, valid);
+      });
+    }
   }
   return out;
 }
 
 /* x [M, K] bfloat16 times int8 tiles [tiles, K, 16] with float scales [tiles * 16]
- * -> [M, N] bfloat16. */
+ * -> [M, N] float32. */
 at::Tensor int8_mv(const at::Tensor &x, const at::Tensor &tiles, const at::Tensor &scales,
                    int64_t N) {
   const int64_t M = x.size(0), K = tiles.size(1);
@@ -316,11 +335,11 @@ at::Tensor int8_mv(const at::Tensor &x, const at::Tensor &tiles, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == tiles.size(0) * kRows,
               "scales must be contiguous float32 [tiles * 16]");
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   const std::vector<float> xf = widen(x);
   const auto *w = tiles.data_ptr<int8_t>();
   const float *s = scales.data_ptr<float>();
-  auto *o = reinterpret_cast<uint16_t *>(out.data_ptr());
+  float *o = out.data_ptr<float>();
   const int64_t num_tiles = (N + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < num_tiles; ++t) {

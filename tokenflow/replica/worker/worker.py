@@ -79,7 +79,8 @@ class Worker:
         self.model = load_model(source, dtype=self.dtype, device=self.device,
                                 load_format=config.model.load_format,
                                 layer_range=self.layer_range, seed=config.model.seed,
-                                quantization=self.quantization)
+                                quantization=self.quantization,
+                                batch_invariant=config.model.batch_invariant)
         # LoRA slots around the (maybe quantized) projections, when adapters are served.
         self.lora = (StageLoRA(self.model, config.lora, self.device, self.dtype)
                      if config.lora.enabled else None)
