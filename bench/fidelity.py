@@ -147,7 +147,7 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> tuple[int, l
     diverged (None: never)."""
     total, where = 0, []
     for a, b in zip(ours, reference, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         total += n
         where.append(None if n == min(len(a), len(b)) else n)
     return total, where
