@@ -8,6 +8,8 @@ requests per level, after a warm-up. tokenflow runs `tokenflow serve` with
 configs/local.yaml (its default serving mode and `quantization: auto`); llama.cpp runs the
 server of the `xllamacpp` wheel (a benchmark dependency only: `pip install xllamacpp`) with
 `--slots` parallel slots of `--max-model-len` tokens each, continuous batching and every core.
+`tokenflow-not-invariant` is tokenflow with `engine.model.batch_invariant: false` (what batch
+invariance costs).
 One server runs at a time. Prints one row per server and concurrency and tokenflow's ratios;
 writes JSON (`--out`) and a plot of throughput and TPOT against concurrency (`--plot`) only
 where asked.
@@ -93,8 +95,9 @@ class LlamaCppServer:
         self._log.close()
 
 
-def tokenflow_config(args: argparse.Namespace) -> dict[str, Any]:
+def tokenflow_config(args: argparse.Namespace, batch_invariant: bool = True) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    config["engine"]["model"]["batch_invariant"] = batch_invariant
     config["engine"]["scheduler"]["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens:
         config["engine"]["scheduler"]["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -120,8 +123,9 @@ async def measure(url: str, model: str, args: argparse.Namespace
 def run_server(name: str, args: argparse.Namespace, logs: Path) -> dict[int, BenchmarkResult]:
     print(f"{name}: starting", flush=True)
     start = time.monotonic()
-    if name == "tokenflow":
-        server: Any = TokenflowServer(tokenflow_config(args), logs / "tokenflow.log")
+    if name.startswith("tokenflow"):
+        server: Any = TokenflowServer(tokenflow_config(args, name == "tokenflow"),
+                                      logs / f"{name}.log")
         model = SMOLLM2_MODEL_NAME
     else:
         server = LlamaCppServer(packaged_model_file(SMOLLM2_MODEL_NAME), args.slots,
@@ -144,9 +148,15 @@ def report(results: dict[str, dict[int, BenchmarkResult]], concurrency: list[int
             lines.append(f"{name:<11}{c:>4}{r.output_throughput:>11.1f}"
                          f"{_ms(r.ttft_ms['p50']):>13}{_ms(r.tpot_ms['p50']):>13}"
                          f"{r.failed:>5}/{r.num_requests}")
-        if len(results) == 2:
-            ours, theirs = results["tokenflow"][c], results["llama.cpp"][c]
-            lines.append(f"{'ratio':<11}{c:>4}{_ratio(ours.output_throughput, theirs.output_throughput):>11}"
+        if "llama.cpp" not in results:
+            continue
+        theirs = results["llama.cpp"][c]
+        for name, by_c in results.items():
+            if name == "llama.cpp":
+                continue
+            ours = by_c[c]
+            label = "ratio" if name == "tokenflow" else "ratio-ni"
+            lines.append(f"{label:<11}{c:>4}{_ratio(ours.output_throughput, theirs.output_throughput):>11}"
                          f"{_ratio(ours.ttft_ms['p50'], theirs.ttft_ms['p50']):>13}"
                          f"{_ratio(ours.tpot_ms['p50'], theirs.tpot_ms['p50']):>13}")
     return "\n".join(lines)
@@ -189,7 +199,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--servers", nargs="+", default=["tokenflow", "llama.cpp"],
-                        choices=["tokenflow", "llama.cpp"])
+                        choices=["tokenflow", "tokenflow-not-invariant", "llama.cpp"],
+                        help="tokenflow-not-invariant: configs/local.yaml with "
+                        "engine.model.batch_invariant false")
     parser.add_argument("--input-len", type=int, default=256, help="words per prompt")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048,

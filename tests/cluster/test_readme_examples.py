@@ -60,10 +60,9 @@ def python_examples() -> list[tuple[str, list[str]]]:
         expected, previous = [], ""
         for line in code.splitlines():
             comment = re.search(r"#\s*(.+)$", line)
-            if comment and "print(" in line.split("#")[0]:
-                expected.append(comment.group(1).strip())
-            elif line.startswith("#") and (previous.startswith((" ", "\t"))
-                                           or previous.startswith("print(")):
+            on_print = comment and "print(" in line.split("#")[0]
+            after_output = line.startswith("#") and previous.startswith((" ", "\t", "print("))
+            if on_print or after_output:
                 expected.append(comment.group(1).strip())
             if line.strip():
                 previous = line

@@ -56,8 +56,9 @@ def kernel() -> cpu_kernel.PagedAttentionKernel:
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", ["decodes", "many decodes", "mixed", "one long", "few long"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("invariant", [False, True])
 def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, shape,
-                                       cache_dtype) -> None:
+                                       cache_dtype, invariant) -> None:
     if shape == "decodes":  # few: a task per request
         seq_lens, query_lens = [1, 17, 100, 33, 64, 120], [1] * 6
     elif shape == "many decodes":  # a task per request
@@ -73,7 +74,7 @@ def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, sha
     cache = cache.to(cache_dtype)  # bfloat16: the step's K/V are rounded as they are written
     expected_cache = cache.clone()
     expected = TorchAttentionBackend().forward(q, k, v, expected_cache, meta, dim**-0.5)
-    out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
+    out = CpuAttentionBackend(kernel, invariant).forward(q, k, v, cache, meta, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     assert torch.equal(cache, expected_cache)  # the step's K/V written (and rounded) the same
 
@@ -83,10 +84,12 @@ def test_kernel_equals_the_gather_path(kernel, heads, kv_heads, dim, window, sha
 @pytest.mark.parametrize("window", [None, 20, 77])
 @pytest.mark.parametrize("shape", ["prompts", "chunks", "mixed"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("invariant", [False, True])
 def test_prefill_kernel_equals_sdpa(kernel, heads, kv_heads, dim, window, shape,
-                                    cache_dtype) -> None:
-    """Prompts (one task and many: up to 48 query rows a task), chunks at offsets that are
-    no tile's (a prefix hit, a prompt's later chunk), and both beside decodes."""
+                                    cache_dtype, invariant) -> None:
+    """Prompts (one task and many: up to 48 query rows a task, 16 for the batch invariant
+    kernel), chunks at offsets that are no tile's (a prefix hit, a prompt's later chunk), and
+    both beside decodes."""
     if shape == "prompts":
         seq_lens, query_lens = [300, 2, 17, 130], [300, 2, 17, 130]
     elif shape == "chunks":
@@ -97,7 +100,7 @@ def test_prefill_kernel_equals_sdpa(kernel, heads, kv_heads, dim, window, shape,
     cache = cache.to(cache_dtype)
     expected_cache = cache.clone()
     expected = TorchAttentionBackend().forward(q, k, v, expected_cache, meta, dim**-0.5)
-    out = CpuAttentionBackend(kernel).forward(q, k, v, cache, meta, dim**-0.5)
+    out = CpuAttentionBackend(kernel, invariant).forward(q, k, v, cache, meta, dim**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     assert torch.equal(cache, expected_cache)
 

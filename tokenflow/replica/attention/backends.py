@@ -71,7 +71,6 @@ class AttentionMetadata:
     decodes_lead: bool  # the decodes are exactly tokens [0, num_decodes) of the batch
     prefills: list[PrefillSpan]
     prefill_reqs: torch.Tensor  # [len(prefills)] int64 request index of each prefill span
-    all_reqs: torch.Tensor  # [num_reqs] int64: every request (decodes as prompts of one token)
     window: int | None = None  # keys a query sees, itself included; None = all before it
     _windowed: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
     _host: tuple[np.ndarray, np.ndarray, np.ndarray, torch.device | str, torch.dtype] | None = (
@@ -129,7 +128,6 @@ class AttentionMetadata:
                 for r in np.flatnonzero(qlens > 1)
             ],
             prefill_reqs=put(np.flatnonzero(qlens > 1), np.int64),
-            all_reqs=put(np.arange(len(seq)), np.int64),
             window=window,
             _host=(qsl, seq, table, device, dtype),
         )
@@ -342,11 +340,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     the kernel and the prefill kernel's float32 workspace (each context's K and V copied out
     of their blocks: ~2x SDPA at 290 tokens, bench/README).
 
-    `batch_invariant`: decodes go through the prefill kernel too, as prompts of one token, so
-    a query row's arithmetic is the same whether it is a decode, a prompt's row, a chunk's or
-    a prefix hit's, and whatever else the step holds (the decode kernel splits few contexts
-    into chunks, and sums a score in another order). Else decodes read the cache in place
-    through the decode kernel (no copy; faster at long contexts)."""
+    `batch_invariant`: the whole step goes through the batch invariant kernel instead, which
+    computes every query row, a decode's, a prompt's, a chunk's or a prefix hit's, in one
+    arithmetic that depends on the row alone (the decode kernel splits few contexts into
+    chunks and merges them; the prefill kernel sums a score in another order than the decode
+    kernel). Its cost: prompts' attention ~1.5x the prefill kernel's (bench/README, "Batch
+    invariance"), one decode's parallelism its KV heads."""
 
     def __init__(self, kernel: PagedAttentionKernel, batch_invariant: bool = False) -> None:
         super().__init__()
@@ -367,10 +366,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return super().forward(q, k, v, kv_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.batch_invariant:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
-            if self._kernel.prefill(q, kv_cache, meta, scale,
-                                    self._workspace_for(meta, kv_cache, every=True), out,
-                                    every=True):
+            if self._kernel.invariant(q, k, v, kv_cache, meta, scale, out):
                 return out
             return super().forward(q, k, v, kv_cache, meta, scale)
         if not meta.num_decodes:
@@ -383,10 +379,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return self._attend_prefills(q, k, v, kv_cache, meta, scale, out)
         return out
 
-    def _workspace_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor,
-                       every: bool = False) -> torch.Tensor:
-        need = self._kernel.prefill_workspace_floats(meta, kv_cache.shape[-2], kv_cache.shape[-1],
-                                                     every)
+    def _workspace_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        need = self._kernel.prefill_workspace_floats(meta, kv_cache.shape[-2], kv_cache.shape[-1])
         if self._prefill_workspace.numel() < need:
             self._prefill_workspace = torch.empty(need)
         return self._prefill_workspace

@@ -1,4 +1,5 @@
-"""The CPU's paged attention kernels (paged_attention.c: decodes, and prompts or chunks): built
+"""The CPU's paged attention kernels (paged_attention.c: decodes, prompts or chunks, and a batch
+invariant one for both): built
 once per machine with the C compiler, cached, and called through ctypes.
 
 The shared library is cached by replica/native_build.py (an edited kernel is rebuilt, a
@@ -50,9 +51,9 @@ def load() -> PagedAttentionKernel | None:
 
 
 class PagedAttentionKernel:
-    """Owns the loaded library (per cache dtype, float32 or bfloat16, a decode and a prefill
-    function); `__call__` attends a step's decodes into `out`, `prefill` its prompts and
-    chunks."""
+    """Owns the loaded library (per cache dtype, float32 or bfloat16, a decode, a prefill and
+    a batch invariant function); `__call__` attends a step's decodes into `out`, `prefill` its
+    prompts and chunks, `invariant` all of them with one arithmetic."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = _bind(lib, "paged_decode", [
@@ -61,6 +62,9 @@ class PagedAttentionKernel:
         self._prefill_fns = _bind(lib, "paged_prefill", [
             _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
             _i64, _i64, _f32, _ptr, _i64, _ptr])
+        self._invariant_fns = _bind(lib, "paged_invariant", [
+            _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr,
+            _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr])
 
     def supports(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor) -> bool:
@@ -90,28 +94,41 @@ class PagedAttentionKernel:
             q.shape[1], kv_heads, head_dim, block_size, meta.window or 0, scale, out.data_ptr())
         return rc == 0
 
+    def invariant(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor) -> bool:
+        """Batch invariant attention of the whole step (paged_invariant_*): write the step's
+        k/v to their slots, then attend every query row, a decode's or a prompt's, in one
+        arithmetic that depends on the row alone; out [T, H, D] contiguous, every row written.
+        False: the shapes are beyond the kernel (nothing written, or only k/v)."""
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        k_cache, v_cache = _halves(kv_cache)
+        slots, table = meta.slot_mapping, meta.block_table
+        rc = self._invariant_fns[kv_cache.dtype](
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            slots.data_ptr(), slots.shape[0], q.data_ptr(), q.stride(0), q.stride(1), k_cache,
+            v_cache, table.data_ptr(), table.stride(0), meta.query_start_loc.data_ptr(),
+            meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], q.shape[1], kv_heads, head_dim,
+            block_size, meta.window or 0, scale, out.data_ptr())
+        return rc == 0
+
     @staticmethod
-    def prefill_workspace_floats(meta: AttentionMetadata, kv_heads: int, head_dim: int,
-                                 every: bool = False) -> int:
+    def prefill_workspace_floats(meta: AttentionMetadata, kv_heads: int, head_dim: int) -> int:
         """Floats of the workspace `prefill` needs for this step (an upper bound: each context
-        as float32, K and V, rounded up to 16 keys and V's rows to 16 floats); `every`: for
-        every request, the decodes too."""
+        as float32, K and V, rounded up to 16 keys and V's rows to 16 floats)."""
         padded_dim = -(-head_dim // 16) * 16
-        lens = meta.seq_lens_cpu if every else [span.seq_len for span in meta.prefills]
-        keys = sum(-(-n // 16) * 16 for n in lens)
+        keys = sum(-(-span.seq_len // 16) * 16 for span in meta.prefills)
         return keys * kv_heads * (head_dim + padded_dim)
 
     def prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, workspace: torch.Tensor, out: torch.Tensor,
-                every: bool = False) -> bool:
-        """Attend the step's prompts and chunks (`meta.prefill_reqs`; `every`: every request,
-        a decode as a prompt of one token) causally over their contexts in kv_cache, whose
-        slots already hold this step's K/V: out's rows of their tokens are written. workspace:
-        float32, at least `prefill_workspace_floats` long. False: the shapes are beyond the
-        kernel (nothing written)."""
+                scale: float, workspace: torch.Tensor, out: torch.Tensor) -> bool:
+        """Attend the step's prompts and chunks (`meta.prefill_reqs`) causally over their
+        contexts in kv_cache, whose slots already hold this step's K/V: out's rows of their
+        tokens are written. workspace: float32, at least `prefill_workspace_floats` long.
+        False: the shapes are beyond the kernel (nothing written)."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         k_cache, v_cache = _halves(kv_cache)
-        table, reqs = meta.block_table, meta.all_reqs if every else meta.prefill_reqs
+        table, reqs = meta.block_table, meta.prefill_reqs
         rc = self._prefill_fns[kv_cache.dtype](
             q.data_ptr(), q.stride(0), q.stride(1), k_cache, v_cache, table.data_ptr(),
             table.stride(0), meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),

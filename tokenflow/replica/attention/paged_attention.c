@@ -730,3 +730,258 @@ static inline __attribute__((always_inline)) int paged_prefill(
     }
     return 0;
 }
+
+/* ---- Batch invariant: every query row, a decode's or a prompt's, in one arithmetic ----
+ *
+ * paged_invariant_* attends all of a step's requests, decodes and prompts alike, so that a
+ * query row's result depends on nothing but the row: not on the step's other requests, not
+ * on whether its prompt came whole, in chunks or after a prefix hit, not on whether it is a
+ * decode. Each (position, query head) row walks its keys in tiles of TILE aligned to position
+ * 0, reading K and V in place (as the decode kernel does: a score is a vector dot over the
+ * head's dimensions, a tile's scores one transposing reduction, an online softmax per tile),
+ * with keys outside the row's view (after its position, before its window) masked lane by
+ * lane. A task is one KV head of up to INV_POSITIONS positions of one request, so a tile's K/V
+ * rows are read once for all of them; which rows share a task never changes a row's sums.
+ * No context is split into chunks (the decode kernel's merge would change the sums), so one
+ * decode's parallelism is its KV heads. */
+
+/* Query positions of one task. */
+#define INV_POSITIONS 16
+
+/* One tile's keys i in [i0, n) (K rows krow[i], V rows vrow[i], from element off on) for the
+ * G query heads qs[G][dim] of one KV head, into their running softmax state: top[G],
+ * total[G], acc[G][dim]. Lanes outside [i0, n) add nothing. */
+static inline __attribute__((always_inline)) void inv_tile(
+    const int G, const float *qs, const void *const *krow, const void *const *vrow, int64_t off,
+    int64_t i0, int64_t n, int64_t dim, float *top, float *total, float *acc, const int bf16) {
+    vec part[MAX_GROUP][TILE];
+    float p[MAX_GROUP][TILE];
+    const int64_t whole = dim - dim % VW;
+    for (int64_t i = 0; i < TILE; ++i) {
+        if (i < i0 || i >= n) {
+            for (int j = 0; j < G; ++j) part[j][i] = (vec){0};
+            continue;
+        }
+        vec s[MAX_GROUP] = {{0}};
+        for (int64_t d = 0; d < whole; d += VW) {
+            const vec kv = load_kv(krow[i], off + d, bf16);
+            for (int j = 0; j < G; ++j) s[j] += load(qs + j * dim + d) * kv;
+        }
+        for (int64_t d = whole; d < dim; ++d)
+            for (int j = 0; j < G; ++j) s[j][0] += qs[j * dim + d] * kv_at(krow[i], off + d, bf16);
+        for (int j = 0; j < G; ++j) part[j][i] = s[j];
+    }
+    for (int j = 0; j < G; ++j) {
+        const vec scores = transpose_sum(part[j]);
+        float m = top[j];
+        for (int64_t i = i0; i < n; ++i) m = scores[i] > m ? scores[i] : m;
+        if (m > top[j]) { /* a new maximum: rescale what the earlier tiles summed */
+            const float alpha = exp_nonpositive(top[j] - m);
+            total[j] *= alpha;
+            for (int64_t d = 0; d < dim; ++d) acc[j * dim + d] *= alpha;
+            top[j] = m;
+        }
+        vec e = exp_nonpositive_vec(scores - m);
+        for (int64_t i = 0; i < TILE; ++i)
+            if (i < i0 || i >= n) e[i] = 0.0f;
+        memcpy(p[j], &e, sizeof e);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < TILE; ++i) sum += e[i];
+        total[j] += sum;
+    }
+    for (int64_t d = 0; d < whole; d += VW) {
+        vec a[MAX_GROUP];
+        for (int j = 0; j < G; ++j) a[j] = load(acc + j * dim + d);
+        for (int64_t i = i0; i < n; ++i) {
+            const vec vv = load_kv(vrow[i], off + d, bf16);
+            for (int j = 0; j < G; ++j) a[j] += p[j][i] * vv;
+        }
+        for (int j = 0; j < G; ++j) store(acc + j * dim + d, a[j]);
+    }
+    for (int64_t d = whole; d < dim; ++d)
+        for (int j = 0; j < G; ++j) {
+            float a = acc[j * dim + d];
+            for (int64_t i = i0; i < n; ++i) a += p[j][i] * kv_at(vrow[i], off + d, bf16);
+            acc[j * dim + d] = a;
+        }
+}
+
+/* inv_tile with the group size as a constant for the common sizes (a head's sums are the
+ * same whichever way: each head's are its own). */
+static inline __attribute__((always_inline)) void inv_tile_group(
+    int64_t group, const float *qs, const void *const *krow, const void *const *vrow,
+    int64_t off, int64_t i0, int64_t n, int64_t dim, float *top, float *total, float *acc,
+    const int bf16) {
+    switch (group) {
+    case 1: inv_tile(1, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
+    case 2: inv_tile(2, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
+    case 3: inv_tile(3, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
+    case 4: inv_tile(4, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
+    case 8: inv_tile(8, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
+    default:
+        for (int64_t j = 0; j < group; ++j)
+            inv_tile(1, qs + j * dim, krow, vrow, off, i0, n, dim, top + j, total + j,
+                     acc + j * dim, bf16);
+    }
+}
+
+static inline __attribute__((always_inline)) int paged_invariant(
+    const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, const float *q, int64_t q_tok,
+    int64_t q_head, void *k, void *v, const int32_t *table, int64_t table_stride,
+    const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_reqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t window, float scale, float *out, const int bf16);
+
+/* First the step's new keys and values go to their slots (as in paged_decode); then out[t,
+ * h, :] for every token t of every request r < num_reqs (its query_len tokens the last of its
+ * seq_len): softmax(scale * q . K) V over the keys its position sees (window 0: all before
+ * it). Arguments as paged_decode's and paged_prefill's. Returns 0, or -1 when the shapes are
+ * beyond the stack buffers (nothing written, not even k/v) or memory ran out (k/v written). */
+int paged_invariant_f32(const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v,
+                        int64_t v_tok, int64_t v_head, const int64_t *slots, int64_t num_tokens,
+                        const float *q, int64_t q_tok, int64_t q_head, float *k, float *v,
+                        const int32_t *table, int64_t table_stride,
+                        const int32_t *query_start_loc, const int32_t *seq_lens,
+                        int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                        float *out) {
+    return paged_invariant(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, q,
+                           q_tok, q_head, k, v, table, table_stride, query_start_loc, seq_lens,
+                           num_reqs, num_heads, num_kv_heads, head_dim, block_size, window,
+                           scale, out, 0);
+}
+
+int paged_invariant_bf16(const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v,
+                         int64_t v_tok, int64_t v_head, const int64_t *slots,
+                         int64_t num_tokens, const float *q, int64_t q_tok, int64_t q_head,
+                         uint16_t *k, uint16_t *v, const int32_t *table, int64_t table_stride,
+                         const int32_t *query_start_loc, const int32_t *seq_lens,
+                         int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                         float *out) {
+    return paged_invariant(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, q,
+                           q_tok, q_head, k, v, table, table_stride, query_start_loc, seq_lens,
+                           num_reqs, num_heads, num_kv_heads, head_dim, block_size, window,
+                           scale, out, 1);
+}
+
+static inline __attribute__((always_inline)) int paged_invariant(
+    const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, const float *q, int64_t q_tok,
+    int64_t q_head, void *k, void *v, const int32_t *table, int64_t table_stride,
+    const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_reqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t window, float scale, float *out, const int bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t group = num_heads / num_kv_heads, dim = head_dim;
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
+        return -1;
+    int64_t *tasks_before = malloc(sizeof(int64_t) * (size_t)(num_reqs + 1));
+    if (tasks_before == NULL) return -1;
+    tasks_before[0] = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) {
+        const int64_t qlen = query_start_loc[r + 1] - query_start_loc[r];
+        tasks_before[r + 1] = tasks_before[r]
+                              + num_kv_heads * ((qlen + INV_POSITIONS - 1) / INV_POSITIONS);
+    }
+    const int64_t row = num_kv_heads * head_dim; /* elements between two tokens of a block */
+    for (int64_t t = 0; t < num_tokens; ++t)
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const int64_t at = slots[t] * row + g * head_dim;
+            const float *nk = new_k + t * k_tok + g * k_head, *nv = new_v + t * v_tok + g * v_head;
+            if (bf16) {
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    ((uint16_t *)k)[at + d] = to_bf16(nk[d]);
+                    ((uint16_t *)v)[at + d] = to_bf16(nv[d]);
+                }
+            } else {
+                memcpy((float *)k + at, nk, sizeof(float) * (size_t)head_dim);
+                memcpy((float *)v + at, nv, sizeof(float) * (size_t)head_dim);
+            }
+        }
+    const int64_t tasks = tasks_before[num_reqs];
+    const int64_t state_floats = INV_POSITIONS * group * (2 * dim + 2);
+    int failed = 0;
+#pragma omp parallel if (tasks > 1)
+    {
+        /* Per position: its query heads' scaled queries, sums, maxima and totals. */
+        float *state = malloc(sizeof(float) * (size_t)state_floats);
+        if (state == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* The tasks with most keys (the prompts' last positions) first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = tasks - 1; task >= 0; --task) {
+            if (state == NULL) continue;
+            int64_t lo_r = 0, hi_r = num_reqs - 1; /* the request: binary search */
+            while (lo_r < hi_r) {
+                const int64_t mid = (lo_r + hi_r + 1) / 2;
+                if (tasks_before[mid] <= task) lo_r = mid; else hi_r = mid - 1;
+            }
+            const int64_t r = lo_r, seq = seq_lens[r];
+            const int64_t t0 = query_start_loc[r], qlen = query_start_loc[r + 1] - t0;
+            const int64_t blocks_per_head = (qlen + INV_POSITIONS - 1) / INV_POSITIONS;
+            const int64_t g = (task - tasks_before[r]) / blocks_per_head;
+            const int64_t x0 = ((task - tasks_before[r]) % blocks_per_head) * INV_POSITIONS;
+            const int64_t nx = qlen - x0 < INV_POSITIONS ? qlen - x0 : INV_POSITIONS;
+            const int64_t pos0 = seq - qlen + x0, last = pos0 + nx - 1;
+            float *qs = state, *acc = state + INV_POSITIONS * group * dim;
+            float *top = acc + INV_POSITIONS * group * dim, *total = top + INV_POSITIONS * group;
+            for (int64_t x = 0; x < nx; ++x)
+                for (int64_t j = 0; j < group; ++j) {
+                    const float *qr = q + (t0 + x0 + x) * q_tok + (g * group + j) * q_head;
+                    float *qd = qs + (x * group + j) * dim, *ad = acc + (x * group + j) * dim;
+                    for (int64_t d = 0; d < dim; ++d) qd[d] = qr[d] * scale;
+                    for (int64_t d = 0; d < dim; ++d) ad[d] = 0.0f;
+                    top[x * group + j] = -INFINITY;
+                    total[x * group + j] = 0.0f;
+                }
+            const int32_t *blocks = table + r * table_stride;
+            const int64_t first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+            const void *krow[TILE], *vrow[TILE];
+            for (int64_t k0 = first / TILE * TILE; k0 <= last; k0 += TILE) {
+                const int64_t n_tile = last + 1 - k0 < TILE ? last + 1 - k0 : TILE;
+                for (int64_t i = 0; i < n_tile; ++i) {
+                    const int64_t pos = k0 + i;
+                    const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
+                                        + pos % block_size) * row + g * head_dim;
+                    krow[i] = (const char *)k + at * elem;
+                    vrow[i] = (const char *)v + at * elem;
+                }
+                /* The next tile's rows while this one computes (a request's blocks lie
+                 * anywhere in the cache: the prefetcher loses the stream at each block). */
+                const int64_t next_end = last + 1 < k0 + 2 * TILE ? last + 1 : k0 + 2 * TILE;
+                for (int64_t pos = k0 + TILE; pos < next_end; ++pos) {
+                    const int64_t at = ((int64_t)blocks[pos / block_size] * block_size
+                                        + pos % block_size) * row + g * head_dim;
+                    for (int64_t b = 0; b < head_dim * elem; b += LINE_BYTES) {
+                        __builtin_prefetch((const char *)k + at * elem + b, 0, 2);
+                        __builtin_prefetch((const char *)v + at * elem + b, 0, 2);
+                    }
+                }
+                for (int64_t x = 0; x < nx; ++x) {
+                    const int64_t pos = pos0 + x;
+                    const int64_t n = pos + 1 - k0 < TILE ? pos + 1 - k0 : TILE;
+                    const int64_t lo = window > 0 ? pos - window + 1 - k0 : 0;
+                    const int64_t i0 = lo > 0 ? lo : 0;
+                    if (n <= 0 || i0 >= n) continue; /* no key of this tile in its view */
+                    inv_tile_group(group, qs + x * group * dim, krow, vrow, 0, i0, n, dim,
+                                   top + x * group, total + x * group, acc + x * group * dim,
+                                   bf16);
+                }
+            }
+            for (int64_t x = 0; x < nx; ++x)
+                for (int64_t j = 0; j < group; ++j) {
+                    float *o = out + ((t0 + x0 + x) * num_heads + g * group + j) * dim;
+                    const float *a = acc + (x * group + j) * dim;
+                    const float t = total[x * group + j];
+                    for (int64_t d = 0; d < dim; ++d) o[d] = a[d] / t;
+                }
+        }
+        free(state);
+    }
+    free(tasks_before);
+    return failed ? -1 : 0;
+}
