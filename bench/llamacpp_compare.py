@@ -170,7 +170,8 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return "-" if not ours or not theirs else f"{ours / theirs:.2f}x"
 
 
-def plot(results: dict[str, dict[int, BenchmarkResult]], path: Path, title: str) -> None:
+def plot(results: dict[str, dict[int, dict[str, Any]]], path: Path, title: str) -> None:
+    """Throughput and TPOT against concurrency, from the JSON's results (`to_dict`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,10 +179,11 @@ def plot(results: dict[str, dict[int, BenchmarkResult]], path: Path, title: str)
 
     fig, (tput, tpot) = plt.subplots(1, 2, figsize=(10, 4))
     for name, by_c in results.items():
-        cs = sorted(by_c)
-        tput.plot(cs, [by_c[c].output_throughput for c in cs], marker="o", label=name)
-        tpot.plot(cs, [by_c[c].tpot_ms["p50"] or float("nan") for c in cs], marker="o",
+        cs = sorted(by_c, key=int)
+        tput.plot([int(c) for c in cs], [by_c[c]["output_throughput"] for c in cs], marker="o",
                   label=name)
+        tpot.plot([int(c) for c in cs], [by_c[c]["tpot_ms"]["p50"] or float("nan") for c in cs],
+                  marker="o", label=name)
     for ax, label in ((tput, "output tokens / s"), (tpot, "TPOT p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -225,9 +227,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.write_text(json.dumps(data, indent=2))
         print(f"wrote {args.out}")
     if args.plot:
-        plot(results, args.plot, f"SmolLM2-135M Q4_1, {os.cpu_count()} CPUs, "
-             f"{args.input_len}-word prompts, {args.output_len} tokens")
+        plot(data["results"], args.plot, plot_title(args, data["cpus"]))
     return data
+
+
+def plot_title(args: argparse.Namespace, cpus: int) -> str:
+    """The run's setting, date, machine and commit."""
+    import datetime
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip() or "unknown"
+    return (f"SmolLM2-135M Q4_1, {args.input_len}-word prompts, {args.output_len} tokens; "
+            f"{datetime.date.today()}, {cpus} CPUs ({cpu_model()}), commit {commit}; "
+            "llama.cpp: the xllamacpp wheel, an AVX2 build")
+
+
+def cpu_model() -> str:
+    """The processor's name, as /proc/cpuinfo gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 if __name__ == "__main__":
