@@ -167,78 +167,111 @@ struct online_softmax {
     float acc[MAX_HEADS][MAX_HEAD_DIM];
 };
 
-/* One tile of n <= TILE tokens (K rows krow[i], V rows vrow[i], from element off on) for the
- * G query heads qs[0..G) of one KV head, into state heads [h0, h0 + G). Inlined with G and
- * bf16 constants, so the heads' vectors stay in registers. */
+/* One tile's keys i in [i0, n) (K rows krow[i], V rows vrow[i], from element off on) for the
+ * G query heads qs[G][stride] of one KV head (dim elements each), into their running softmax
+ * state: top[G], total[G], acc[G][stride]. Lanes outside [i0, n) add nothing. Inlined with G
+ * and bf16 constants, so the heads' vectors stay in registers. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const int G, float qs[][MAX_HEAD_DIM], const void *const *krow, const void *const *vrow,
-    int64_t off, int64_t n, int64_t dim, struct online_softmax *st, int64_t h0,
+    const int G, const float *qs, const void *const *krow, const void *const *vrow, int64_t off,
+    int64_t i0, int64_t n, int64_t dim, int64_t stride, float *top, float *total, float *acc,
     const int bf16) {
     vec part[MAX_GROUP][TILE];
     float p[MAX_GROUP][TILE];
-    const int64_t whole = dim - dim % VW; /* floats in whole vectors */
-    for (int64_t i = 0; i < n; ++i) {
+    const int64_t whole = dim - dim % VW;
+    for (int64_t i = 0; i < TILE; ++i) {
+        if (i < i0 || i >= n) {
+            for (int j = 0; j < G; ++j) part[j][i] = (vec){0};
+            continue;
+        }
         vec s[MAX_GROUP] = {{0}};
         for (int64_t d = 0; d < whole; d += VW) {
             const vec kv = load_kv(krow[i], off + d, bf16);
-            for (int j = 0; j < G; ++j) s[j] += load(qs[j] + d) * kv;
+            for (int j = 0; j < G; ++j) s[j] += load(qs + j * stride + d) * kv;
         }
         for (int64_t d = whole; d < dim; ++d)
-            for (int j = 0; j < G; ++j) s[j][0] += qs[j][d] * kv_at(krow[i], off + d, bf16);
+            for (int j = 0; j < G; ++j) s[j][0] += qs[j * stride + d] * kv_at(krow[i], off + d, bf16);
         for (int j = 0; j < G; ++j) part[j][i] = s[j];
     }
-    for (int64_t i = n; i < TILE; ++i)
-        for (int j = 0; j < G; ++j) part[j][i] = (vec){0};
     for (int j = 0; j < G; ++j) {
         const vec scores = transpose_sum(part[j]);
-        const int64_t h = h0 + j;
-        float m = st->top[h];
-        for (int64_t i = 0; i < n; ++i) m = scores[i] > m ? scores[i] : m;
-        if (m > st->top[h]) { /* a new maximum: rescale what the earlier tiles summed */
-            const float alpha = exp_nonpositive(st->top[h] - m);
-            st->total[h] *= alpha;
-            for (int64_t d = 0; d < dim; ++d) st->acc[h][d] *= alpha;
-            st->top[h] = m;
+        float m = top[j];
+        for (int64_t i = i0; i < n; ++i) m = scores[i] > m ? scores[i] : m;
+        if (m > top[j]) { /* a new maximum: rescale what the earlier tiles summed */
+            const float alpha = exp_nonpositive(top[j] - m);
+            total[j] *= alpha;
+            for (int64_t d = 0; d < dim; ++d) acc[j * stride + d] *= alpha;
+            top[j] = m;
         }
         vec e = exp_nonpositive_vec(scores - m);
-        for (int64_t i = n; i < TILE; ++i) e[i] = 0.0f; /* lanes past the tile's tokens */
+        for (int64_t i = 0; i < TILE; ++i)
+            if (i < i0 || i >= n) e[i] = 0.0f;
         memcpy(p[j], &e, sizeof e);
         float sum = 0.0f;
         for (int64_t i = 0; i < TILE; ++i) sum += e[i];
-        st->total[h] += sum;
+        total[j] += sum;
     }
     for (int64_t d = 0; d < whole; d += VW) {
         vec a[MAX_GROUP];
-        for (int j = 0; j < G; ++j) a[j] = load(st->acc[h0 + j] + d);
-        for (int64_t i = 0; i < n; ++i) {
+        for (int j = 0; j < G; ++j) a[j] = load(acc + j * stride + d);
+        for (int64_t i = i0; i < n; ++i) {
             const vec vv = load_kv(vrow[i], off + d, bf16);
             for (int j = 0; j < G; ++j) a[j] += p[j][i] * vv;
         }
-        for (int j = 0; j < G; ++j) store(st->acc[h0 + j] + d, a[j]);
+        for (int j = 0; j < G; ++j) store(acc + j * stride + d, a[j]);
     }
     for (int64_t d = whole; d < dim; ++d)
         for (int j = 0; j < G; ++j) {
-            float a = st->acc[h0 + j][d];
-            for (int64_t i = 0; i < n; ++i) a += p[j][i] * kv_at(vrow[i], off + d, bf16);
-            st->acc[h0 + j][d] = a;
+            float a = acc[j * stride + d];
+            for (int64_t i = i0; i < n; ++i) a += p[j][i] * kv_at(vrow[i], off + d, bf16);
+            acc[j * stride + d] = a;
         }
 }
 
-/* attend_tile with the group size as a constant for the common sizes. */
+/* attend_tile with the group size as a constant for the common sizes (a head's sums are the
+ * same whichever way: each head's are its own). */
 static inline __attribute__((always_inline)) void attend_tile_group(
-    int64_t group, float qs[][MAX_HEAD_DIM], const void *const *krow, const void *const *vrow,
-    int64_t off, int64_t n, int64_t dim, struct online_softmax *st, int64_t h0, const int bf16) {
+    int64_t group, const float *qs, const void *const *krow, const void *const *vrow,
+    int64_t off, int64_t i0, int64_t n, int64_t dim, int64_t stride, float *top, float *total,
+    float *acc, const int bf16) {
+#define TILE_ARGS krow, vrow, off, i0, n, dim, stride, top, total, acc, bf16
     switch (group) {
-    case 1: attend_tile(1, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
-    case 2: attend_tile(2, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
-    case 3: attend_tile(3, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
-    case 4: attend_tile(4, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
-    case 8: attend_tile(8, qs, krow, vrow, off, n, dim, st, h0, bf16); break;
+    case 1: attend_tile(1, qs, TILE_ARGS); break;
+    case 2: attend_tile(2, qs, TILE_ARGS); break;
+    case 3: attend_tile(3, qs, TILE_ARGS); break;
+    case 4: attend_tile(4, qs, TILE_ARGS); break;
+    case 8: attend_tile(8, qs, TILE_ARGS); break;
+#undef TILE_ARGS
     default:
         for (int64_t j = 0; j < group; ++j)
-            attend_tile(1, qs + j, krow, vrow, off, n, dim, st, h0 + j, bf16);
+            attend_tile(1, qs + j * stride, krow, vrow, off, i0, n, dim, stride, top + j,
+                        total + j, acc + j * stride, bf16);
     }
 }
+
+/* The step's new keys and values into their slots: new_k/new_v [T, KVH, D] with strides
+ * (k_tok, k_head, 1) and (v_tok, v_head, 1), slots [T] flat slot ids; a bfloat16 cache gets
+ * them rounded to nearest even. */
+static inline __attribute__((always_inline)) void write_new_kv(
+    const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
+    int64_t v_head, const int64_t *slots, int64_t num_tokens, void *k, void *v,
+    int64_t num_kv_heads, int64_t head_dim, const int bf16) {
+    const int64_t row = num_kv_heads * head_dim;
+    for (int64_t t = 0; t < num_tokens; ++t)
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            const int64_t at = slots[t] * row + g * head_dim;
+            const float *nk = new_k + t * k_tok + g * k_head, *nv = new_v + t * v_tok + g * v_head;
+            if (bf16) {
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    ((uint16_t *)k)[at + d] = to_bf16(nk[d]);
+                    ((uint16_t *)v)[at + d] = to_bf16(nv[d]);
+                }
+            } else {
+                memcpy((float *)k + at, nk, sizeof(float) * (size_t)head_dim);
+                memcpy((float *)v + at, nv, sizeof(float) * (size_t)head_dim);
+            }
+        }
+}
+
 
 /* paged_decode_f32 / paged_decode_bf16: the cache's element type a constant. */
 static inline __attribute__((always_inline)) int paged_decode(
@@ -296,20 +329,8 @@ static inline __attribute__((always_inline)) int paged_decode(
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
         return -1;
     const int64_t row = num_kv_heads * head_dim; /* floats between two tokens of a block */
-    for (int64_t t = 0; t < num_tokens; ++t)
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-            const int64_t at = slots[t] * row + g * head_dim;
-            const float *nk = new_k + t * k_tok + g * k_head, *nv = new_v + t * v_tok + g * v_head;
-            if (bf16) {
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    ((uint16_t *)k)[at + d] = to_bf16(nk[d]);
-                    ((uint16_t *)v)[at + d] = to_bf16(nv[d]);
-                }
-            } else {
-                memcpy((float *)k + at, nk, sizeof(float) * (size_t)head_dim);
-                memcpy((float *)v + at, nv, sizeof(float) * (size_t)head_dim);
-            }
-        }
+    write_new_kv(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, k, v,
+                 num_kv_heads, head_dim, bf16);
     /* A task reads whole rows (all KV heads of a token: one stream per block); parallelism
      * for few requests comes from chunks of their contexts, not from splitting the rows. */
     const int64_t kv_per_task = num_heads <= MAX_HEADS ? num_kv_heads : 1;
@@ -385,8 +406,9 @@ static inline __attribute__((always_inline)) int paged_decode(
                 }
             }
             for (int64_t g = 0; g < kv_per_task; ++g)
-                attend_tile_group(group, qs + g * group, krow, vrow, g * head_dim, n,
-                                  head_dim, &st, g * group, bf16);
+                attend_tile_group(group, qs[g * group], krow, vrow, g * head_dim, 0, n,
+                                  head_dim, MAX_HEAD_DIM, st.top + g * group,
+                                  st.total + g * group, st.acc[g * group], bf16);
         }
         if (chunks == 1) {
             float *o = out + (token_idx[r] * num_heads + g0 * group) * head_dim;
@@ -748,83 +770,6 @@ static inline __attribute__((always_inline)) int paged_prefill(
 /* Query positions of one task. */
 #define INV_POSITIONS 16
 
-/* One tile's keys i in [i0, n) (K rows krow[i], V rows vrow[i], from element off on) for the
- * G query heads qs[G][dim] of one KV head, into their running softmax state: top[G],
- * total[G], acc[G][dim]. Lanes outside [i0, n) add nothing. */
-static inline __attribute__((always_inline)) void inv_tile(
-    const int G, const float *qs, const void *const *krow, const void *const *vrow, int64_t off,
-    int64_t i0, int64_t n, int64_t dim, float *top, float *total, float *acc, const int bf16) {
-    vec part[MAX_GROUP][TILE];
-    float p[MAX_GROUP][TILE];
-    const int64_t whole = dim - dim % VW;
-    for (int64_t i = 0; i < TILE; ++i) {
-        if (i < i0 || i >= n) {
-            for (int j = 0; j < G; ++j) part[j][i] = (vec){0};
-            continue;
-        }
-        vec s[MAX_GROUP] = {{0}};
-        for (int64_t d = 0; d < whole; d += VW) {
-            const vec kv = load_kv(krow[i], off + d, bf16);
-            for (int j = 0; j < G; ++j) s[j] += load(qs + j * dim + d) * kv;
-        }
-        for (int64_t d = whole; d < dim; ++d)
-            for (int j = 0; j < G; ++j) s[j][0] += qs[j * dim + d] * kv_at(krow[i], off + d, bf16);
-        for (int j = 0; j < G; ++j) part[j][i] = s[j];
-    }
-    for (int j = 0; j < G; ++j) {
-        const vec scores = transpose_sum(part[j]);
-        float m = top[j];
-        for (int64_t i = i0; i < n; ++i) m = scores[i] > m ? scores[i] : m;
-        if (m > top[j]) { /* a new maximum: rescale what the earlier tiles summed */
-            const float alpha = exp_nonpositive(top[j] - m);
-            total[j] *= alpha;
-            for (int64_t d = 0; d < dim; ++d) acc[j * dim + d] *= alpha;
-            top[j] = m;
-        }
-        vec e = exp_nonpositive_vec(scores - m);
-        for (int64_t i = 0; i < TILE; ++i)
-            if (i < i0 || i >= n) e[i] = 0.0f;
-        memcpy(p[j], &e, sizeof e);
-        float sum = 0.0f;
-        for (int64_t i = 0; i < TILE; ++i) sum += e[i];
-        total[j] += sum;
-    }
-    for (int64_t d = 0; d < whole; d += VW) {
-        vec a[MAX_GROUP];
-        for (int j = 0; j < G; ++j) a[j] = load(acc + j * dim + d);
-        for (int64_t i = i0; i < n; ++i) {
-            const vec vv = load_kv(vrow[i], off + d, bf16);
-            for (int j = 0; j < G; ++j) a[j] += p[j][i] * vv;
-        }
-        for (int j = 0; j < G; ++j) store(acc + j * dim + d, a[j]);
-    }
-    for (int64_t d = whole; d < dim; ++d)
-        for (int j = 0; j < G; ++j) {
-            float a = acc[j * dim + d];
-            for (int64_t i = i0; i < n; ++i) a += p[j][i] * kv_at(vrow[i], off + d, bf16);
-            acc[j * dim + d] = a;
-        }
-}
-
-/* inv_tile with the group size as a constant for the common sizes (a head's sums are the
- * same whichever way: each head's are its own). */
-static inline __attribute__((always_inline)) void inv_tile_group(
-    int64_t group, const float *qs, const void *const *krow, const void *const *vrow,
-    int64_t off, int64_t i0, int64_t n, int64_t dim, float *top, float *total, float *acc,
-    const int bf16) {
-    switch (group) {
-    case 1: inv_tile(1, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
-    case 2: inv_tile(2, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
-    case 3: inv_tile(3, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
-    case 4: inv_tile(4, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
-    case 8: inv_tile(8, qs, krow, vrow, off, i0, n, dim, top, total, acc, bf16); break;
-    default:
-        for (int64_t j = 0; j < group; ++j)
-            inv_tile(1, qs + j * dim, krow, vrow, off, i0, n, dim, top + j, total + j,
-                     acc + j * dim, bf16);
-    }
-}
-
 static inline __attribute__((always_inline)) int paged_invariant(
     const float *new_k, int64_t k_tok, int64_t k_head, const float *new_v, int64_t v_tok,
     int64_t v_head, const int64_t *slots, int64_t num_tokens, const float *q, int64_t q_tok,
@@ -886,20 +831,8 @@ static inline __attribute__((always_inline)) int paged_invariant(
                               + num_kv_heads * ((qlen + INV_POSITIONS - 1) / INV_POSITIONS);
     }
     const int64_t row = num_kv_heads * head_dim; /* elements between two tokens of a block */
-    for (int64_t t = 0; t < num_tokens; ++t)
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-            const int64_t at = slots[t] * row + g * head_dim;
-            const float *nk = new_k + t * k_tok + g * k_head, *nv = new_v + t * v_tok + g * v_head;
-            if (bf16) {
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    ((uint16_t *)k)[at + d] = to_bf16(nk[d]);
-                    ((uint16_t *)v)[at + d] = to_bf16(nv[d]);
-                }
-            } else {
-                memcpy((float *)k + at, nk, sizeof(float) * (size_t)head_dim);
-                memcpy((float *)v + at, nv, sizeof(float) * (size_t)head_dim);
-            }
-        }
+    write_new_kv(new_k, k_tok, k_head, new_v, v_tok, v_head, slots, num_tokens, k, v,
+                 num_kv_heads, head_dim, bf16);
     const int64_t tasks = tasks_before[num_reqs];
     const int64_t state_floats = INV_POSITIONS * group * (2 * dim + 2);
     int failed = 0;
@@ -967,9 +900,9 @@ static inline __attribute__((always_inline)) int paged_invariant(
                     const int64_t lo = window > 0 ? pos - window + 1 - k0 : 0;
                     const int64_t i0 = lo > 0 ? lo : 0;
                     if (n <= 0 || i0 >= n) continue; /* no key of this tile in its view */
-                    inv_tile_group(group, qs + x * group * dim, krow, vrow, 0, i0, n, dim,
-                                   top + x * group, total + x * group, acc + x * group * dim,
-                                   bf16);
+                    attend_tile_group(group, qs + x * group * dim, krow, vrow, 0, i0, n, dim,
+                                      dim, top + x * group, total + x * group,
+                                      acc + x * group * dim, bf16);
                 }
             }
             for (int64_t x = 0; x < nx; ++x)

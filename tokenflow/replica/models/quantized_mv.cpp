@@ -248,6 +248,7 @@ std::vector<float> widen(const at::Tensor &x) {
   const int64_t n = x.numel();
   const auto *h = reinterpret_cast<const uint16_t *>(x.data_ptr());
   std::vector<float> f(n);
+#pragma omp parallel for schedule(static) if (n >= 65536)
   for (int64_t i = 0; i < n; ++i) f[i] = bf16_to_float(h[i]);
   return f;
 }
@@ -282,12 +283,18 @@ at::Tensor int4_mv(const at::Tensor &x, const at::Tensor &tiles, int64_t N) {
                   tiles.size(2) == kGroupBytes && tiles.size(0) * kRows >= N,
               "tiles must be contiguous uint8 [ceil(N / 16), K / 32, 320]");
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if !defined(__AVX512BF16__)
   const std::vector<float> xf = widen(x);
+#endif
+  // Each row's group sums, in order (a row's own, whatever M); over the cores for a prompt's
+  // many rows.
   std::vector<float> xsum(M * groups);
+  const auto *xh = reinterpret_cast<const uint16_t *>(x.data_ptr());
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0;
-      for (int64_t i = 0; i < kGroup; ++i) s += xf[m * K + g * kGroup + i];
+      for (int64_t i = 0; i < kGroup; ++i) s += bf16_to_float(xh[m * K + g * kGroup + i]);
       xsum[m * groups + g] = s;
     }
   const auto *w = tiles.data_ptr<uint8_t>();
@@ -336,7 +343,7 @@ at::Tensor int8_mv(const at::Tensor &x, const at::Tensor &tiles, const at::Tenso
                   scales.numel() == tiles.size(0) * kRows,
               "scales must be contiguous float32 [tiles * 16]");
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const std::vector<float> xf = widen(x);
+  const std::vector<float> xf = widen(x);  // (over the cores for many rows)
   const auto *w = tiles.data_ptr<int8_t>();
   const float *s = scales.data_ptr<float>();
   float *o = out.data_ptr<float>();
