@@ -310,6 +310,21 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"wrote {path}")
 
 
+def plot_title(prompts: int, tokens: int, scored: int) -> str:
+    """What was measured, when, on which machine and commit."""
+    import datetime
+    import subprocess
+
+    from bench.llamacpp_compare import cpu_model
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip() or "unknown"
+    return (f"SmolLM2-135M-Instruct Q4_1 against transformers in float32: {prompts} prompts x "
+            f"{tokens} greedy tokens; perplexity over {scored} tokens\n"
+            f"{datetime.date.today()}, {cpu_model()}, commit {commit}; llama.cpp: the xllamacpp "
+            "wheel (AVX2 build)")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -366,8 +381,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     if args.plot:
-        plot(rows, args.plot, f"SmolLM2-135M-Instruct Q4_1: {len(prompts)} prompts x "
-             f"{args.tokens} greedy tokens; perplexity over {len(ref_nll)} tokens")
+        plot(rows, args.plot, plot_title(len(prompts), args.tokens, len(ref_nll)))
     return result
 
 
