@@ -1,5 +1,5 @@
 """The CPU's paged decode kernel alone: a float32 against a bfloat16 cache, on huge pages or
-not, side by side in one run.
+not, and the batch invariant kernel on the bfloat16 cache, side by side in one run.
 
 The default model's shapes (9 query heads, 3 KV heads of 64, blocks of 16 tokens), one call per
 layer over 30 layers' caches (so each layer's blocks are read cold, as in a step), each
@@ -55,14 +55,15 @@ def step_inputs(requests: int, context: int) -> tuple[AttentionMetadata, torch.T
 
 
 def time_layer_us(kernel: cpu_kernel.PagedAttentionKernel, layer_caches: list[torch.Tensor],
-                  requests: int, context: int, rounds: int) -> float:
+                  requests: int, context: int, rounds: int, invariant: bool = False) -> float:
     meta, q, k, v = step_inputs(requests, context)
     out = torch.empty_like(q)
+    attend = kernel.invariant if invariant else kernel
     best = float("inf")
     for r in range(rounds + 2):  # two warm-up rounds
         start = time.perf_counter()
         for cache in layer_caches:
-            if not kernel(q, k, v, cache, meta, HEAD_DIM**-0.5, out):
+            if not attend(q, k, v, cache, meta, HEAD_DIM**-0.5, out):
                 raise SystemExit("the kernel declined these shapes")
         if r >= 2:
             best = min(best, time.perf_counter() - start)
@@ -80,14 +81,16 @@ def main() -> None:
     kernel = cpu_kernel.load()
     if kernel is None:
         raise SystemExit("the paged decode kernel did not build (is a C compiler there?)")
-    variants = {"float32": (torch.float32, False), "float32, huge pages": (torch.float32, True),
-                "bfloat16, huge pages": (torch.bfloat16, True)}
+    variants = {"float32": (torch.float32, False, False),
+                "float32, huge pages": (torch.float32, True, False),
+                "bfloat16, huge pages": (torch.bfloat16, True, False),
+                "bfloat16, huge pages, batch invariant": (torch.bfloat16, True, True)}
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes]
     result: dict[str, dict[str, float]] = {}
-    for name, (dtype, huge) in variants.items():
+    for name, (dtype, huge, invariant) in variants.items():
         layer_caches = caches(dtype, huge)
         for requests, context in shapes:
-            us = time_layer_us(kernel, layer_caches, requests, context, args.rounds)
+            us = time_layer_us(kernel, layer_caches, requests, context, args.rounds, invariant)
             result.setdefault(f"{requests}x{context}", {})[name] = us
             print(f"  {name}, {requests} x {context}: {us:.0f} us", flush=True)
         del layer_caches
@@ -97,7 +100,7 @@ def main() -> None:
         requests, context = (int(n) for n in shape.split("x"))
         base = row["float32"]
         cells = []
-        for name, (dtype, _) in variants.items():
+        for name, (dtype, _, _) in variants.items():
             nbytes = requests * context * KV_HEADS * HEAD_DIM * 2 * (2 if dtype == torch.bfloat16
                                                                       else 4)
             cells.append(f"{row[name]:.0f} us ({base / row[name]:.2f}x, "

@@ -1,5 +1,5 @@
 """The CPU's prefill attention: torch's SDPA (the torch backend) against tokenflow's prefill
-kernel (attention/paged_attention.c), side by side in one run.
+kernel and its batch invariant kernel (attention/paged_attention.c), side by side in one run.
 
 The default model's shapes (9 query heads, 3 KV heads of 64, blocks of 16 tokens, a bfloat16
 cache), one layer's call: the step's K/V written into the cache, then every prompt or chunk
@@ -83,15 +83,17 @@ def main() -> None:
     if kernel is None:
         raise SystemExit("the CPU kernels did not build (is a C compiler there?)")
     sdpa, ours = TorchAttentionBackend(), CpuAttentionBackend(kernel)
+    invariant = CpuAttentionBackend(kernel, batch_invariant=True)
     print(f"{torch.get_num_threads()} threads, bfloat16 cache, {HEADS}/{KV_HEADS} heads of "
           f"{HEAD_DIM}")
-    print(f"{'shape':<22}{'SDPA ms':>10}{'kernel ms':>11}{'ratio':>8}")
+    print(f"{'shape':<22}{'SDPA ms':>10}{'kernel ms':>11}{'ratio':>8}{'invariant ms':>14}")
     rows = []
     for shape in args.shapes:
         inputs = step_inputs(parse_shape(shape))
         a, b = time_ms(sdpa, inputs, args.rounds), time_ms(ours, inputs, args.rounds)
-        print(f"{shape:<22}{a:>10.2f}{b:>11.2f}{a / b:>7.2f}x", flush=True)
-        rows.append({"shape": shape, "sdpa_ms": a, "kernel_ms": b})
+        c = time_ms(invariant, inputs, args.rounds)
+        print(f"{shape:<22}{a:>10.2f}{b:>11.2f}{a / b:>7.2f}x{c:>14.2f}", flush=True)
+        rows.append({"shape": shape, "sdpa_ms": a, "kernel_ms": b, "invariant_ms": c})
     if args.out:
         args.out.write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows},
                                        indent=2))
