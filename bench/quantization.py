@@ -11,7 +11,8 @@ the whole engine (`LLM.generate`).
 
     python bench/quantization.py
     python bench/quantization.py --methods none int4 --out bench/results/quantization.json
-    python bench/quantization.py --kernels    # also: one matmul of each kind, 1-256 rows
+    python bench/quantization.py --kernels    # also: one matmul of each kind, 1-512 rows
+    python bench/quantization.py --kernels-only
     python bench/quantization.py --methods none int4 int4:bfloat16   # and a bfloat16 KV cache
 
 A method may name a KV cache dtype after a colon (`int4:bfloat16`: int4 weights over a
@@ -20,7 +21,8 @@ them); without one the cache is the model's float32.
 
 `--kernels` times one linear layer of the default model's shapes for each kind of weight
 (bfloat16 dense, int8, int4; float32 activations in and out, as the model calls them) at
-1 to 256 rows: where the packed kernels win, and the thresholds `QuantizedLinear` uses.
+1 to 512 rows: where the packed kernels win, the thresholds `QuantizedLinear` uses without
+batch invariance, and what multiplying every batch through them costs with it.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def kernels() -> dict[str, dict[int, dict[str, float]]]:
                       x.bfloat16(), d).float(),
                   "int8": QuantizedLinear.int8(w), "int4": QuantizedLinear.int4(w)}
         result[name] = {}
-        for rows in (1, 2, 4, 8, 16, 32, 256):
+        for rows in (1, 2, 4, 8, 16, 32, 256, 512):
             x = torch.randn(rows, k, generator=gen)
             result[name][rows] = {kind: _time_us(lambda f=f, x=x: f(x))
                                   for kind, f in layers.items()}
@@ -187,10 +189,15 @@ def main() -> None:
     parser.add_argument("--corpus-tokens", type=int, default=2000)
     parser.add_argument("--chunk", type=int, default=500)
     parser.add_argument("--kernels", action="store_true", help="also time single matmuls")
+    parser.add_argument("--kernels-only", action="store_true", help="only time them")
     parser.add_argument("--out", type=Path, help="write the result JSON here")
     args = parser.parse_args()
 
-    kernel_times = kernels() if args.kernels else None
+    kernel_times = kernels() if args.kernels or args.kernels_only else None
+    if args.kernels_only:
+        if args.out:
+            args.out.write_text(json.dumps({"kernels_us": kernel_times}, indent=2))
+        return
 
     print(f"quality over {args.corpus_tokens} corpus tokens ...", flush=True)
     result = quality(args.methods, args.corpus_tokens, args.chunk)
