@@ -9,8 +9,10 @@ projection's delta is an opaque op too (`tokenflow::lora_add`, models/lora.py), 
 reason: the slot weights and the step's mix of adapters stay outside the graph.
 
 The graphs: one for a single token (dynamo specializes size 1), then dynamic shapes over the
-ranges the quantized layers switch kernels at (2-8 rows through the packed kernels, 9 and more
-through their dense copies): no padding to buckets, every batch size runs its own rows. All
+ranges the quantized layers switch kernels at without batch invariance (2-8 rows through the
+packed kernels, 9 and more through their dense copies): no padding to buckets, every batch
+size runs its own rows. With batch invariance every graph calls the same kernels, and gives a
+row the same bits as the others do (tests/replica/test_batch_invariance.py). All
 are compiled before the first request (`compile_step`), and inductor's cache lives under
 `tokenflow.local_cache` so a restart loads them instead of compiling.
 """
