@@ -257,6 +257,17 @@ def test_error_messages_are_readable(client: TestClient) -> None:
     assert "Value error" not in error["message"]
 
 
+def test_first_token_ids_that_are_not_token_ids_are_a_400_and_the_engine_serves_on(
+        client: TestClient) -> None:
+    for ids in ([1.5], [True], "7"):
+        resp = client.post(CMPL, json={"prompt": "hi", "max_tokens": 4,
+                                       "kv_transfer_params": {"first_token_ids": ids}})
+        assert resp.status_code == 400, resp.text
+        assert "first_token_ids" in _check_error_shape(resp.json(), 400)["message"]
+    resp = client.post(CMPL, json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
 def test_hand_validated_body_errors_are_400(error_client: TestClient) -> None:
     resp = error_client.post("/v1/by-hand", content='{"prompt": "hi", "n": 99}')
     assert resp.status_code == 400

@@ -107,6 +107,20 @@ def test_a_math_changing_config_field_we_do_not_implement_is_refused(tmp_path, l
 
 
 # ------------------------------------------------------------------------ all or nothing
+@pytest.mark.parametrize("ids", [[1.5], [True], ["3"], 3, [1, 2.0]])
+def test_first_token_ids_are_token_ids_or_the_request_is_refused(llama, ids):
+    """A client's `kv_transfer_params.first_token_ids` that are not integers are refused
+    before the engine sees them (a float passed the range check and took the engine loop down
+    in block hashing), and the engine serves on."""
+    llm = LLM(str(llama), max_model_len=64, num_blocks=64)
+    with pytest.raises(ValueError, match="first_token_ids"):
+        llm.engine.process_inputs("bad", [1, 2, 3], SamplingParams(max_tokens=4),
+                                  kv_transfer_params={"first_token_ids": ids})
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_generate_is_all_or_nothing(llama):
     llm = LLM(str(llama), max_model_len=64, num_blocks=64)
     with pytest.raises(ValueError, match="max_model_len"):

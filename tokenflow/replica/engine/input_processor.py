@@ -4,6 +4,7 @@ process that serves HTTP can run it whichever process steps the engine."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -90,7 +91,13 @@ class InputProcessor:
         assert max_tokens is not None, "resolved by process()"
         # A request continued from another engine (prefill/decode disaggregation) arrives with
         # the token(s) that engine already generated: they are its first outputs here too.
-        first_ids = list((kv_transfer_params or {}).get("first_token_ids") or [])
+        first_ids = (kv_transfer_params or {}).get("first_token_ids") or []
+        # Strictly integers (not floats, not bools): they reach block hashing inside the engine
+        # loop, where a float raised and took the engine down.
+        if not isinstance(first_ids, list | tuple) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in first_ids):
+            raise ValueError("kv_transfer_params.first_token_ids must be a list of token ids "
+                             "(integers)")
         if first_ids and (params.n != 1 or max(first_ids) >= self.vocab_size
                           or min(first_ids) < 0 or len(first_ids) >= max_tokens):
             raise ValueError("kv_transfer_params.first_token_ids needs n=1, ids in the "
