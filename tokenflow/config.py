@@ -66,9 +66,9 @@ class ModelConfig(_Frozen):
     num_threads: int | None = Field(default=None, ge=1)
     # Weight-only quantization of the linear layers on CPU (replica/models/quantized.py):
     # none keeps float weights; int8 (a scale per row) or int4 (groups of 32 with scale and
-    # zero) keep the weights quantized and multiply them with bfloat16 inputs. auto: what the weights
-    # are stored as, on CPU (a GGUF file of 4-bit blocks: int4; of 8-bit ones: int8), none
-    # otherwise (float checkpoints, the GPU).
+    # zero) keep the weights quantized and multiply them with bfloat16 inputs. auto: what the
+    # weights are stored as, on CPU (a GGUF file of 4-bit blocks: int4; of 8-bit ones: int8),
+    # none otherwise (float checkpoints, the GPU).
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Compile each stage's layers with torch.compile (inductor) at startup: one graph for a
     # single token, one for each range of batch sizes the quantized layers switch kernels at

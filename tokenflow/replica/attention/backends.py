@@ -496,9 +496,9 @@ attention_op = torch.ops.tokenflow.attention.default
 def select_backend(device: torch.device | str, batch_invariant: bool = False
                    ) -> AttentionBackend:
     """flash-attn on CUDA when it is installed; on the CPU, the C kernels where they build
-    (`batch_invariant`: decodes computed as prompts, `CpuAttentionBackend`); the torch backend
-    otherwise, or wherever `TOKENFLOW_ATTENTION_BACKEND=torch` asks for it (the benchmarks'
-    comparison)."""
+    (`batch_invariant`: the whole step through the invariant kernel, `CpuAttentionBackend`);
+    the torch backend otherwise, or wherever `TOKENFLOW_ATTENTION_BACKEND=torch` asks for it
+    (the benchmarks' comparison)."""
     if os.environ.get("TOKENFLOW_ATTENTION_BACKEND") == "torch":
         return TorchAttentionBackend()
     if torch.device(device).type == "cuda":

@@ -620,7 +620,7 @@ int paged_prefill_bf16(const float *q, int64_t q_tok, int64_t q_head, const uint
 }
 
 /* Most prompts or chunks one prefill call takes (their offsets live on the stack). */
-#define MAX_PREFILLS 1024
+#define MAX_PREFILLS 256
 
 static inline __attribute__((always_inline)) int paged_prefill(
     const float *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
